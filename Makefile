@@ -1,0 +1,32 @@
+# make install: .venv with torch (CPU pin first), fairseq-fixed and this project.
+# make test:    the test suite.   make demo: the fp32/fp16/bf16 side-by-side run.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+FAIRSEQ_PIN := fairseq-fixed==0.12.3.1
+
+.PHONY: install test demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	# The pin first: with no torch present, a bare "torch" requirement pulls a CUDA build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q numpy cython
+	# fairseq-fixed compiles extensions against the installed torch: no build isolation.
+	$(BIN)/python -c "import fairseq" 2>/dev/null || \
+		$(BIN)/python -m pip install -q --no-build-isolation $(FAIRSEQ_PIN)
+	$(BIN)/python -m pip install -q --no-build-isolation -e '.[test,plots]'
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+demo: install
+	$(BIN)/python scripts/demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,132 @@
+"""Adam with decoupled weight decay for fp32 master weights (pure torch).
+
+:func:`build_adam` returns ``torch.optim.AdamW`` on torch's fused kernel where
+the parameters' device has one (CUDA and CPU do), ``foreach`` otherwise, or
+apex's ``FusedAdam`` when apex is installed and asked for. Without bias
+correction (``bias_correction=False``, apex's option that torch lacks) it
+returns :class:`AdamWNoBiasCorrection`, a small foreach implementation.
+
+Parameters are split into a decay group and a no-decay group by name.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .master_weights import param_name
+
+__all__ = ["ADAM_BACKENDS", "build_adam", "split_no_decay", "AdamWNoBiasCorrection"]
+
+ADAM_BACKENDS = ("auto", "fused", "foreach", "apex")
+
+
+def split_no_decay(
+    params: Sequence[torch.Tensor], patterns: str, weight_decay: float
+) -> List[Dict]:
+    """Two param groups: names containing any comma-separated pattern get no decay.
+
+    Parameters without a recorded name always decay. Empty groups are dropped.
+    """
+    pats = [s.strip() for s in (patterns or "").split(",") if s.strip()]
+    decay, no_decay = [], []
+    for p in params:
+        name = param_name(p)
+        (no_decay if name and any(s in name for s in pats) else decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _fused_available(device: torch.device) -> bool:
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return device.type in _get_fused_kernels_supported_devices()
+
+
+def build_adam(
+    params: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    no_decay_params: str = "bias,layer_norm",
+    bias_correction: bool = True,
+    backend: str = "auto",
+) -> torch.optim.Optimizer:
+    """Build the Adam(W) optimizer for ``params`` (fp32 masters or fp32 model).
+
+    Raises:
+        ValueError: for an unknown ``backend`` (``--adam-backend``), or
+            ``apex`` when apex is not installed.
+    """
+    if backend not in ADAM_BACKENDS:
+        raise ValueError(
+            f"--adam-backend must be one of {', '.join(ADAM_BACKENDS)}, got {backend!r}"
+        )
+    params = list(params)
+    groups = split_no_decay(params, no_decay_params, weight_decay)
+    kw = dict(lr=lr, betas=tuple(betas), eps=eps)
+    if backend == "apex":
+        try:
+            from apex.optimizers import FusedAdam  # optional backend
+        except ImportError:
+            raise ValueError(
+                "--adam-backend apex needs NVIDIA apex, which is not installed; "
+                "use --adam-backend auto (torch's fused AdamW)"
+            ) from None
+        return FusedAdam(groups, adam_w_mode=True, bias_correction=bias_correction, **kw)
+    if not bias_correction:
+        return AdamWNoBiasCorrection(groups, **kw)
+    device = params[0].device
+    if backend == "fused" and not _fused_available(device):
+        raise ValueError(f"--adam-backend fused: torch has no fused AdamW on {device.type}")
+    fused = backend == "fused" or (backend == "auto" and _fused_available(device))
+    if fused:
+        return torch.optim.AdamW(groups, fused=True, **kw)
+    return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+class AdamWNoBiasCorrection(torch.optim.Optimizer):
+    """AdamW without bias correction (apex ``FusedAdam(bias_correction=False)``).
+
+    ``p <- p * (1 - lr * wd) - lr * m / (sqrt(v) + eps)`` with the raw moments.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            for p in params:
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                st["step"] += 1
+            m = [self.state[p]["exp_avg"] for p in params]
+            v = [self.state[p]["exp_avg_sq"] for p in params]
+            b1, b2 = group["betas"]
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd != 0:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            torch._foreach_lerp_(m, grads, 1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, 1 - b2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_addcdiv_(params, m, denom, -lr)
+        return loss
+

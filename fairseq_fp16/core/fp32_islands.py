@@ -1,0 +1,136 @@
+"""fp32 islands inside a half-precision model (pure torch, no fairseq import).
+
+:func:`keep_in_fp32` marks modules whose parameters and arithmetic stay fp32
+when the rest of the model is cast with ``model.half()`` or
+``model.to(torch.bfloat16)``: their floating-point inputs are cast to fp32 in
+``forward`` and the output is cast back to the input's dtype, so the
+neighbouring half layers see half tensors. Normalisation layers (LayerNorm,
+GroupNorm, BatchNorm) are islands by default, as in the apex recipe: their
+mean/variance reductions lose too much in fp16.
+
+A marked module keeps its fp32 parameters through later dtype casts (its
+``_apply`` drops the half cast but keeps device moves), so no precision is
+lost by ``model.half()``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Tuple, Type
+
+import torch
+from torch import nn
+
+__all__ = ["NORM_TYPES", "keep_in_fp32", "apply_fp32_islands", "is_fp32_island"]
+
+NORM_TYPES: Tuple[Type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.batchnorm._BatchNorm,
+)
+
+_HALF = (torch.float16, torch.bfloat16)
+_island_classes: Dict[type, type] = {}
+
+
+def _to_fp32(x):
+    if torch.is_tensor(x) and x.dtype in _HALF:
+        return x.float()
+    if isinstance(x, tuple):
+        return tuple(_to_fp32(v) for v in x)
+    if isinstance(x, list):
+        return [_to_fp32(v) for v in x]
+    return x
+
+
+def _to_dtype(x, dtype):
+    if torch.is_tensor(x) and x.dtype == torch.float32:
+        return x.to(dtype)
+    if isinstance(x, tuple):
+        return tuple(_to_dtype(v, dtype) for v in x)
+    if isinstance(x, list):
+        return [_to_dtype(v, dtype) for v in x]
+    return x
+
+
+def _first_half_dtype(args, kwargs) -> Optional[torch.dtype]:
+    for v in list(args) + list(kwargs.values()):
+        if torch.is_tensor(v) and v.dtype in _HALF:
+            return v.dtype
+    return None
+
+
+class _Fp32IslandMixin:
+    """Mixed into a module's class: fp32 params, fp32 forward."""
+
+    _fp32_island = True
+
+    def forward(self, *args, **kwargs):
+        dtype = _first_half_dtype(args, kwargs)
+        if dtype is None:
+            return super().forward(*args, **kwargs)
+        out = super().forward(*_to_fp32(args), **{k: _to_fp32(v) for k, v in kwargs.items()})
+        return _to_dtype(out, dtype)
+
+    def _apply(self, fn, recurse=True):
+        def keep_fp32(t):
+            out = fn(t)
+            if t.dtype == torch.float32 and out.dtype in _HALF:
+                return t.to(device=out.device)  # device moves only
+            return out
+
+        return super()._apply(keep_fp32, recurse)
+
+
+def is_fp32_island(module: nn.Module) -> bool:
+    return bool(getattr(module, "_fp32_island", False))
+
+
+def keep_in_fp32(module: nn.Module) -> nn.Module:
+    """Make ``module`` an fp32 island in place (idempotent); returns it."""
+    if is_fp32_island(module):
+        return module
+    cls = module.__class__
+    island = _island_classes.get(cls)
+    if island is None:
+        island = type(f"Fp32{cls.__name__}", (_Fp32IslandMixin, cls), {})
+        island.__module__ = cls.__module__
+        _island_classes[cls] = island
+    module.__class__ = island
+    module.float()
+    return module
+
+
+def apply_fp32_islands(
+    model: nn.Module, fp32_modules: Optional[str] = None, norm_types=NORM_TYPES
+) -> List[str]:
+    """Turn normalisation layers and modules matching ``fp32_modules`` into islands.
+
+    Args:
+        model: the model, before it is cast to half.
+        fp32_modules: a regular expression matched (``re.search``) against
+            qualified module names (``--fp32-modules``), or ``None``.
+
+    Returns:
+        The names of the modules made islands by the regular expression
+        (an empty list tells the caller that it matched nothing).
+
+    Raises:
+        ValueError: if ``fp32_modules`` is not a valid regular expression.
+    """
+    pattern = None
+    if fp32_modules:
+        try:
+            pattern = re.compile(fp32_modules)
+        except re.error as e:
+            raise ValueError(
+                f"--fp32-modules is not a valid regular expression: {fp32_modules!r} ({e})"
+            ) from None
+    matched = []
+    for name, module in model.named_modules():
+        if pattern is not None and name and pattern.search(name):
+            keep_in_fp32(module)
+            matched.append(name)
+        elif isinstance(module, norm_types):
+            keep_in_fp32(module)
+    return matched

@@ -1,0 +1,232 @@
+"""Loss scaling for half-precision training (pure torch, no fairseq import).
+
+The scale and its counters live in 0-dim tensors on the device of the loss, so
+:meth:`LossScaler.update` costs no host sync: the overflow flag produced by the
+gradient check is consumed on the device. Only :attr:`LossScaler.loss_scale`
+(a Python float), :meth:`LossScaler.check_min_scale` and
+:meth:`LossScaler.state_dict` read the device, and callers use them on overflow
+steps, at log intervals and at checkpoint time.
+
+Typical loop::
+
+    scaler = LossScaler(init_scale=2.0**7, scale_window=2000)
+    for batch in data:
+        loss = model(batch)
+        scaler.scale(loss).backward()          # loss * scale, no sync
+        found_inf = ...                        # 1.0 where any gradient is inf/nan
+        optimizer.step(grad_scale=scaler.scale_tensor, found_inf=found_inf)
+        scaler.update(found_inf)               # on device, no sync
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["LossScaler", "parse_loss_scale"]
+
+
+def parse_loss_scale(value: Any, flag: str = "--loss-scale") -> Optional[float]:
+    """Validate a ``--loss-scale`` value.
+
+    Returns ``0.0`` for dynamic scaling, the scale for a static one, or ``None``
+    when no value was given (the precision's default applies).
+
+    Raises:
+        ValueError: naming ``flag`` when the value is not a number, negative,
+            or positive but not a power of two.
+    """
+    if value is None:
+        return None
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{flag} must be 0 (dynamic) or a positive power of two, got {value!r}"
+        ) from None
+    if scale == 0.0:
+        return 0.0
+    if not math.isfinite(scale) or scale < 0 or math.frexp(scale)[0] != 0.5:
+        raise ValueError(
+            f"{flag} must be 0 (dynamic) or a positive power of two "
+            f"(e.g. 128, 1024, 0.5), got {value!r}"
+        )
+    return scale
+
+
+class LossScaler:
+    """Static or dynamic loss scaler with device-resident state.
+
+    Dynamic scaling follows fairseq's ``DynamicLossScaler`` and adds hysteresis
+    (as in DeepSpeed and Megatron):
+
+    * after ``scale_window`` consecutive clean updates the scale is multiplied
+      by ``scale_factor``;
+    * an overflow skips the update; the scale is divided by ``scale_factor``
+      once ``hysteresis`` overflows have happened since the last rescale and
+      the fraction of overflowing updates since then is at least ``tolerance``;
+      ``threshold`` (when set) is a floor for that back-off;
+    * :meth:`check_min_scale` raises ``FloatingPointError`` when the scale has
+      fallen to ``min_scale`` or below.
+
+    Args:
+        init_scale: initial (dynamic) or fixed (static) scale.
+        dynamic: adjust the scale (``True``) or keep it fixed (``False``).
+        scale_window: clean updates before the scale grows.
+        scale_factor: growth and back-off factor (2 keeps powers of two).
+        tolerance: fairseq's ``--fp16-scale-tolerance``.
+        hysteresis: overflows tolerated before backing off (1 = every one).
+        min_scale: the scale at or below which training stops.
+        threshold: floor for the dynamic back-off (``--threshold-loss-scale``).
+        device: device of the state tensors (that of the loss).
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**7,
+        *,
+        dynamic: bool = True,
+        scale_window: int = 2000,
+        scale_factor: float = 2.0,
+        tolerance: float = 0.0,
+        hysteresis: int = 1,
+        min_scale: float = 1e-4,
+        threshold: Optional[float] = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if init_scale <= 0 or not math.isfinite(init_scale):
+            raise ValueError(f"init_scale must be positive and finite, got {init_scale}")
+        if scale_window < 1:
+            raise ValueError(f"scale_window must be >= 1, got {scale_window}")
+        if hysteresis < 1:
+            raise ValueError(
+                f"--loss-scale-hysteresis must be >= 1 (1 backs off at every "
+                f"overflow), got {hysteresis}"
+            )
+        if scale_factor <= 1:
+            raise ValueError(f"scale_factor must be > 1, got {scale_factor}")
+        self.dynamic = dynamic
+        self.init_scale = float(init_scale)
+        self.scale_window = int(scale_window)
+        self.scale_factor = float(scale_factor)
+        self.tolerance = float(tolerance)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = float(min_scale)
+        self.threshold = None if threshold is None else float(threshold)
+        dev = torch.device(device)
+        f32 = dict(dtype=torch.float32, device=dev)
+        i64 = dict(dtype=torch.int64, device=dev)
+        # Device state: every field of state_dict() below.
+        self._scale = torch.full((), self.init_scale, **f32)
+        self._clean_steps = torch.zeros((), **i64)  # since last overflow or growth
+        self._hysteresis_left = torch.full((), self.hysteresis, **i64)
+        self._overflows_since_rescale = torch.zeros((), **i64)
+        self._steps_since_rescale = torch.zeros((), **i64)
+        self._num_overflows = torch.zeros((), **i64)
+        self._num_updates = torch.zeros((), **i64)
+
+    # ------------------------------------------------------------------ hot path
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The current scale as a 0-dim fp32 tensor (no sync)."""
+        return self._scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``loss * scale`` (no sync)."""
+        return loss * self._scale.to(loss.device)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Record one update: ``found_inf`` is nonzero where it overflowed.
+
+        Runs entirely on the device (no host sync).
+        """
+        overflow = found_inf.reshape(()).to(self._scale.device) > 0
+        ov = overflow.long()
+        self._num_updates.add_(1)
+        self._num_overflows.add_(ov)
+        if not self.dynamic:
+            return
+        self._steps_since_rescale.add_(1)
+        self._overflows_since_rescale.add_(ov)
+        self._hysteresis_left.sub_(ov)
+        pct = self._overflows_since_rescale.double() / self._steps_since_rescale.double()
+        back_off = overflow & (self._hysteresis_left <= 0) & (pct >= self.tolerance)
+        lowered = self._scale / self.scale_factor
+        if self.threshold is not None:
+            lowered = lowered.clamp(min=self.threshold)
+        new_scale = torch.where(back_off, lowered, self._scale)
+
+        clean = torch.where(overflow, torch.zeros_like(self._clean_steps), self._clean_steps + 1)
+        grow = clean >= self.scale_window
+        new_scale = torch.where(grow, new_scale * self.scale_factor, new_scale)
+        rescaled = back_off | grow
+
+        self._scale.copy_(new_scale)
+        self._clean_steps.copy_(torch.where(grow, torch.zeros_like(clean), clean))
+        self._hysteresis_left.copy_(
+            torch.where(rescaled, torch.full_like(self._hysteresis_left, self.hysteresis),
+                        self._hysteresis_left.clamp(min=0))
+        )
+        self._overflows_since_rescale.masked_fill_(rescaled, 0)
+        self._steps_since_rescale.masked_fill_(rescaled, 0)
+
+    # ------------------------------------------------------ reads (host syncs)
+    @property
+    def loss_scale(self) -> float:
+        """The current scale as a Python float (one host sync)."""
+        return float(self._scale)
+
+    @property
+    def num_overflows(self) -> int:
+        """Updates skipped for overflow so far (one host sync)."""
+        return int(self._num_overflows)
+
+    def check_min_scale(self) -> None:
+        """Raise ``FloatingPointError`` if the scale reached ``min_scale`` (sync).
+
+        Call it after :meth:`update` on an overflow step.
+        """
+        scale = self.loss_scale
+        if self.dynamic and scale <= self.min_scale:
+            raise FloatingPointError(
+                f"Minimum loss scale reached ({self.min_scale}): the gradients "
+                f"overflowed at every scale down to {scale}. The loss is probably "
+                "diverging: lower the learning rate, add warm-up or --clip-norm, keep "
+                "more modules in fp32 (--fp32-modules), or train in --bf16."
+            )
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Scale, counters and settings as plain Python scalars."""
+        return {
+            "scale": float(self._scale),
+            "dynamic": self.dynamic,
+            "clean_steps": int(self._clean_steps),
+            "hysteresis_left": int(self._hysteresis_left),
+            "overflows_since_rescale": int(self._overflows_since_rescale),
+            "steps_since_rescale": int(self._steps_since_rescale),
+            "num_overflows": int(self._num_overflows),
+            "num_updates": int(self._num_updates),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        A static scaler keeps its configured scale (the flag wins over the
+        checkpoint); a dynamic one continues from the saved scale and counters.
+        """
+        if self.dynamic and state.get("dynamic", True):
+            self._scale.fill_(float(state["scale"]))
+            self._clean_steps.fill_(int(state["clean_steps"]))
+            self._hysteresis_left.fill_(
+                min(int(state["hysteresis_left"]), self.hysteresis)
+            )
+            self._overflows_since_rescale.fill_(int(state["overflows_since_rescale"]))
+            self._steps_since_rescale.fill_(int(state["steps_since_rescale"]))
+        self._num_overflows.fill_(int(state.get("num_overflows", 0)))
+        self._num_updates.fill_(int(state.get("num_updates", 0)))
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return f"LossScaler({kind}, init_scale={self.init_scale}, window={self.scale_window})"

@@ -1,0 +1,240 @@
+"""fp32 master weights for a half-precision model (pure torch, no fairseq import).
+
+:class:`MixedPrecisionOptimizer` is the classic apex recipe on modern torch:
+
+1. ``backward``: the fp32 loss is multiplied by the loss scale, gradients land
+   in the fp16/bf16 model parameters;
+2. ``clip_grad_norm``: the norm of the half gradients is taken with fp32
+   accumulation and unscaled; an overflow shows up as a non-finite norm and is
+   written into a ``found_inf`` tensor; clipping is folded into the unscale
+   factor, so no pass over the gradients is spent on it;
+3. ``step``: half gradients are copied into fp32 master gradients, the inner
+   optimizer updates the fp32 masters, and the masters are rounded back into
+   the model. An inner optimizer that declares ``_step_supports_amp_scaling``
+   (torch's fused Adam/AdamW, on CUDA and CPU) receives ``grad_scale`` and
+   ``found_inf``: it unscales inside the kernel and skips the update on
+   overflow, so the step needs no host sync. Other optimizers are unscaled
+   with ``torch._amp_foreach_non_finite_check_and_unscale_`` and skipped on the
+   host (one sync).
+
+Parameters that are already fp32 in the model (fp32 islands such as LayerNorm)
+are their own masters: they are updated in place and not copied.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from .loss_scaler import LossScaler
+
+__all__ = ["MixedPrecisionOptimizer", "HALF_DTYPES"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+#: Attribute carrying a parameter's qualified name (set by :func:`tag_param_names`).
+NAME_ATTR = "_fairseq_fp16_name"
+
+
+def tag_param_names(named_params: Iterable[tuple]) -> None:
+    """Record each parameter's qualified name on the parameter itself.
+
+    Optimizers receive bare parameters; the name lets them group by name
+    (``--no-decay-params``) and lets diagnostics name a parameter.
+    """
+    for name, p in named_params:
+        if not hasattr(p, NAME_ATTR):
+            setattr(p, NAME_ATTR, name)
+
+
+def param_name(p: torch.Tensor, default: str = "") -> str:
+    return getattr(p, NAME_ATTR, default)
+
+
+class MixedPrecisionOptimizer:
+    """fp32 master weights + loss scaling around a torch optimizer.
+
+    Args:
+        params: the model's parameters (half, or fp32 for fp32 islands).
+        build_optimizer: called with the master parameters, returns the
+            torch optimizer that updates them.
+        scaler: the :class:`LossScaler`; its device must be the params'.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        build_optimizer: Callable[[List[torch.Tensor]], torch.optim.Optimizer],
+        scaler: LossScaler,
+    ) -> None:
+        self.model_params: List[torch.nn.Parameter] = list(params)
+        if not self.model_params:
+            raise ValueError("MixedPrecisionOptimizer got no parameters")
+        self.scaler = scaler
+        self.master_params: List[torch.Tensor] = []
+        self._half_pairs: List[tuple] = []  # (model param, master param)
+        self._half_index: List[int] = []  # position of each pair in model_params
+        for i, p in enumerate(self.model_params):
+            if p.dtype in HALF_DTYPES:
+                master = torch.nn.Parameter(p.detach().float(), requires_grad=True)
+                if hasattr(p, NAME_ATTR):
+                    setattr(master, NAME_ATTR, getattr(p, NAME_ATTR))
+                self._half_pairs.append((p, master))
+                self._half_index.append(i)
+                self.master_params.append(master)
+            elif p.dtype == torch.float32:
+                self.master_params.append(p)
+            else:
+                raise ValueError(f"unsupported parameter dtype {p.dtype}")
+        self.optimizer = build_optimizer(self.master_params)
+        self.fused_amp = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        device = self.model_params[0].device
+        self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self._multiplier: float | torch.Tensor = 1.0
+        self._inv_scale: Optional[torch.Tensor] = None  # unscale * clip factor
+
+    # ---------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss * scale`` into the model's half gradients."""
+        self.scaler.scale(loss).backward()
+
+    def multiply_grads(self, c: float | torch.Tensor) -> None:
+        """Multiply gradients by ``c`` lazily (folded into the unscale)."""
+        self._multiplier = self._multiplier * c
+        self._inv_scale = None
+
+    # ------------------------------------------------------------ grad checks
+    def _grads(self) -> List[torch.Tensor]:
+        return [p.grad for p in self.model_params if p.grad is not None]
+
+    def clip_grad_norm(self, max_norm: float = 0.0) -> torch.Tensor:
+        """Unscaled gradient norm (fp32 tensor); sets ``found_inf``; no sync.
+
+        With ``max_norm > 0`` the clip coefficient is folded into the factor
+        the step applies, not applied to the gradients here.
+        """
+        grads = self._grads()
+        device = self._found_inf.device
+        inv = (1.0 / self.scaler.scale_tensor.double()).float()
+        mult = self._multiplier
+        inv = inv * (mult.to(device).float() if torch.is_tensor(mult) else float(mult))
+        if grads:
+            # fp32 accumulation: a half norm of scaled gradients would overflow.
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+        else:
+            total = torch.zeros((), device=device)
+        total = total * inv
+        self._found_inf.copy_((~torch.isfinite(total)).float())
+        if max_norm > 0:
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            coef = torch.nan_to_num(coef, nan=1.0, posinf=1.0, neginf=1.0)
+            inv = inv * coef
+        self._inv_scale = inv
+        return total
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """1.0 when the last :meth:`clip_grad_norm` saw a non-finite gradient."""
+        return self._found_inf
+
+    # -------------------------------------------------------------------- step
+    def _sync_master_grads(self) -> List[torch.Tensor]:
+        """Copy half grads into fp32 master grads; return the master grads."""
+        src, dst = [], []
+        for p, m in self._half_pairs:
+            if p.grad is None:
+                m.grad = None
+                continue
+            if m.grad is None:
+                m.grad = torch.empty_like(m)
+            src.append(p.grad)
+            dst.append(m.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return [m.grad for m in self.master_params if m.grad is not None]
+
+    def step(self) -> None:
+        """Update the fp32 masters and round them into the model.
+
+        No host sync when the inner optimizer is fused; one otherwise.
+        """
+        if self._inv_scale is None:
+            self.clip_grad_norm(0.0)
+        master_grads = self._sync_master_grads()
+        if self.fused_amp:
+            # The kernel divides by grad_scale and skips the update on found_inf.
+            self.optimizer.grad_scale = 1.0 / self._inv_scale
+            self.optimizer.found_inf = self._found_inf
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale
+                del self.optimizer.found_inf
+        else:
+            check = torch.zeros_like(self._found_inf)
+            if master_grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    master_grads, check, self._inv_scale
+                )
+            self._found_inf.copy_(torch.maximum(self._found_inf, check))
+            if not bool(self._found_inf):  # the one host sync of this path
+                self.optimizer.step()
+        self._copy_masters_to_model()
+        self.scaler.update(self._found_inf)
+        self._multiplier = 1.0
+        self._inv_scale = None
+
+    def _copy_masters_to_model(self) -> None:
+        if self._half_pairs:
+            torch._foreach_copy_(
+                [p.data for p, _ in self._half_pairs], [m.data for _, m in self._half_pairs]
+            )
+
+    def skip_step(self) -> None:
+        """Record an overflowed update without stepping (the caller detected it)."""
+        self.scaler.update(self._found_inf)
+        self._multiplier = 1.0
+        self._inv_scale = None
+
+    def zero_grad(self) -> None:
+        """Drop the model's gradients; fp32 master grad buffers are reused."""
+        for p in self.model_params:
+            p.grad = None
+        self._multiplier = 1.0
+        self._inv_scale = None
+
+    # -------------------------------------------------------------- state dict
+    def state_dict(self) -> Dict[str, object]:
+        """Inner optimizer, scaler and fp32 masters keyed by parameter position."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "master_params": {
+                i: m.detach().clone() for i, (_, m) in zip(self._half_index, self._half_pairs)
+            },
+        }
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore :meth:`state_dict`; masters absent = keep the current ones.
+
+        Raises:
+            ValueError: when saved masters do not fit the model's parameters.
+        """
+        masters = state.get("master_params") or {}
+        by_index = dict(zip(self._half_index, self._half_pairs))
+        for i, saved in masters.items():
+            pair = by_index.get(int(i))
+            if pair is None or saved.shape != pair[1].shape:
+                raise ValueError(
+                    "checkpoint's fp32 master weights do not match the model's "
+                    "parameters; was it written by another architecture?"
+                )
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        with torch.no_grad():
+            for i, saved in masters.items():
+                by_index[int(i)][1].copy_(saved)
+        self._copy_masters_to_model()

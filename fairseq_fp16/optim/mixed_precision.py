@@ -1,0 +1,227 @@
+"""The fairseq face of the mixed-precision optimizer.
+
+:class:`MixedPrecisionFairseqOptimizer` is what the trainer hook builds for
+every run with the plugin loaded: under ``--fp16``/``--bf16`` it drives
+:class:`fairseq_fp16.core.MixedPrecisionOptimizer` (fp32 masters, loss scaler,
+fused step); in fp32 it passes every call through to the inner optimizer
+unchanged. One class for all precisions keeps the ``optimizer_name`` that
+fairseq stores in checkpoints the same, so an fp32 checkpoint resumes under
+``--fp16`` and an fp16 one under fp32 without ``--reset-optimizer``.
+
+Overflow protocol (fairseq's): :meth:`clip_grad_norm` raises
+``OverflowError`` when the gradients overflowed (the trainer skips the
+update) and ``FloatingPointError`` when the scale reached ``--min-loss-scale``
+(the trainer stops).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Optional
+
+import torch
+from fairseq import optim
+from fairseq.logging import metrics
+from fairseq.optim import FairseqOptimizer
+
+from ..core.loss_scaler import LossScaler, parse_loss_scale
+from ..core.master_weights import MixedPrecisionOptimizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MixedPrecisionFairseqOptimizer", "build_loss_scaler", "precision_of"]
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def precision_of(cfg) -> str:
+    """'fp16', 'bf16' or 'fp32' from fairseq's ``--fp16``/``--bf16`` flags."""
+    fp16, bf16 = bool(cfg.common.fp16), bool(cfg.common.bf16)
+    if fp16 and bf16:
+        raise ValueError("--fp16 and --bf16 are exclusive: pick one precision")
+    return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+
+def build_loss_scaler(cfg, precision: str, device: torch.device) -> LossScaler:
+    """The loss scaler for a run, from fairseq's flags and the task's.
+
+    ``--loss-scale`` (task ``translation_fp16``): unset = dynamic for fp16 and
+    no scaling (a static 1) for bf16; 0 = dynamic; a power of two = static.
+    Dynamic scaling reads ``--fp16-init-scale``, ``--fp16-scale-window``,
+    ``--fp16-scale-tolerance``, ``--min-loss-scale``, ``--threshold-loss-scale``
+    and ``--loss-scale-hysteresis``.
+    """
+    task_cfg = cfg.task
+    scale = parse_loss_scale(getattr(task_cfg, "loss_scale", None))
+    hysteresis = int(getattr(task_cfg, "loss_scale_hysteresis", 1) or 1)
+    if scale is None:
+        scale = 0.0 if precision == "fp16" else 1.0
+    if scale > 0:
+        return LossScaler(scale, dynamic=False, device=device)
+    window = cfg.common.fp16_scale_window
+    if window is None:
+        world = max(1, int(cfg.distributed_training.distributed_world_size))
+        window = max(1, int(2**14 / world / int(cfg.optimization.update_freq[0])))
+    return LossScaler(
+        float(cfg.common.fp16_init_scale),
+        dynamic=True,
+        scale_window=int(window),
+        tolerance=float(cfg.common.fp16_scale_tolerance),
+        hysteresis=hysteresis,
+        min_scale=float(cfg.common.min_loss_scale),
+        threshold=cfg.common.threshold_loss_scale,
+        device=device,
+    )
+
+
+class _ScaleView:
+    """What fairseq's trainer reads as ``optimizer.scaler``.
+
+    The trainer logs ``scaler.loss_scale`` every update; a tensor copy keeps
+    that free of host syncs (fairseq's meters read it at log time).
+    """
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self._scaler = scaler
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        return self._scaler.scale_tensor.detach().clone()
+
+
+class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
+    """fp32 master weights + loss scaling for any fairseq optimizer.
+
+    Args:
+        cfg: the full fairseq config (``optimizer``, ``common``, ``task``...).
+        params: the model's trainable parameters, in the model's dtype.
+        precision: 'fp32', 'fp16' or 'bf16'.
+    """
+
+    def __init__(self, cfg, params, precision: str) -> None:
+        super().__init__(cfg.optimizer)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.precision = precision
+        params = list(params)
+        self.overflow_pending = False  # set by an overflow, cleared by zero_grad
+        self.num_skipped = 0  # updates skipped for overflow (host-side count)
+        self._params = params
+        if precision == "fp32":
+            self.inner = optim.build_optimizer(cfg.optimizer, params)
+            self.core: Optional[MixedPrecisionOptimizer] = None
+            self.loss_scaler: Optional[LossScaler] = None
+        else:
+            self.loss_scaler = build_loss_scaler(cfg, precision, params[0].device)
+            built: Dict[str, FairseqOptimizer] = {}
+
+            def build(master_params):
+                built["inner"] = optim.build_optimizer(cfg.optimizer, master_params)
+                return built["inner"].optimizer
+
+            self.core = MixedPrecisionOptimizer(params, build, self.loss_scaler)
+            self.inner = built["inner"]
+            self.scaler = _ScaleView(self.loss_scaler)
+            logger.info(
+                "fairseq_fp16: %s model, fp32 master weights, %s, %s step",
+                precision,
+                self.loss_scaler,
+                "fused (no host sync)" if self.core.fused_amp else "unfused (1 host sync)",
+            )
+        self._optimizer = self.inner.optimizer
+
+    @property
+    def optimizer_config(self):
+        return self.inner.optimizer_config
+
+    @property
+    def supports_flat_params(self):
+        return False
+
+    # ------------------------------------------------------------- training
+    def backward(self, loss):
+        if self.core is None:
+            self.inner.backward(loss)
+        else:
+            self.core.backward(loss)
+
+    def multiply_grads(self, c):
+        if self.core is None:
+            self.inner.multiply_grads(c)
+        else:
+            self.core.multiply_grads(c)
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        if self.core is None:
+            return self.inner.clip_grad_norm(max_norm, aggregate_norm_fn)
+        grad_norm = self.core.clip_grad_norm(max_norm)
+        if aggregate_norm_fn is not None:
+            grad_norm = aggregate_norm_fn(grad_norm)
+        # The trainer reads grad_norm right after this call; the overflow test
+        # here is that same host sync, not an extra one.
+        overflow = not bool(torch.isfinite(grad_norm))
+        if overflow:
+            self.overflow_pending = True
+            self.num_skipped += 1
+            self.core.skip_step()
+            self._log_counters()
+            self.loss_scaler.check_min_scale()  # FloatingPointError stops the run
+            raise OverflowError(f"setting loss scale to: {self.loss_scaler.loss_scale:g}")
+        self._log_counters()
+        return grad_norm
+
+    def _log_counters(self) -> None:
+        metrics.log_scalar("skipped", self.num_skipped, priority=710, round=0, weight=0)
+        if self.precision == "bf16":  # the trainer logs loss_scale for fp16 only
+            metrics.log_scalar("loss_scale", self.scaler.loss_scale, priority=700, round=4, weight=0)
+
+    def step(self, closure=None, scale=1.0, groups=None):
+        if self.core is None:
+            return self.inner.step(closure, scale=scale, groups=groups)
+        if closure is not None:
+            raise ValueError("the mixed-precision optimizer does not take a closure")
+        if scale != 1.0:
+            self.core.multiply_grads(1.0 / scale)
+        self.core.step()
+
+    def zero_grad(self):
+        self.overflow_pending = False
+        if self.core is None:
+            self.inner.zero_grad()
+        else:
+            self.core.zero_grad()
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        if self.core is None:
+            return {"precision": "fp32", "optimizer": self.inner.state_dict(),
+                    "num_skipped": self.num_skipped}
+        state = self.core.state_dict()
+        state["precision"] = self.precision
+        state["num_skipped"] = self.num_skipped
+        return state
+
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        """Load a state from any precision, or a bare torch optimizer state."""
+        if "precision" not in state_dict:  # a plain optimizer state
+            state_dict = {"precision": "fp32", "optimizer": state_dict}
+        self.num_skipped = int(state_dict.get("num_skipped", 0))
+        masters = state_dict.get("master_params") or {}
+        if self.core is None:
+            self.inner.load_state_dict(state_dict["optimizer"], optimizer_overrides)
+            # An fp16 checkpoint continuing in fp32: take the exact fp32
+            # masters instead of the rounded half weights.
+            params = self._params
+            with torch.no_grad():
+                for i, t in masters.items():
+                    if int(i) >= len(params) or params[int(i)].shape != t.shape:
+                        raise ValueError("checkpoint's fp32 master weights do not match the model")
+                    params[int(i)].copy_(t)
+            return
+        saved = dict(state_dict)
+        if state_dict["precision"] == "fp32":
+            saved["scaler"] = None  # an fp32 run has no scale to continue
+        self.core.load_state_dict(saved)
+        if optimizer_overrides:
+            for group in self.param_groups:
+                group.update(optimizer_overrides)

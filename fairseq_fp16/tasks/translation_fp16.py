@@ -1,0 +1,131 @@
+"""``--task translation_fp16``: fairseq's translation task, built for half precision.
+
+What it adds to ``translation``:
+
+* fp32 islands: every LayerNorm/GroupNorm/BatchNorm, and the modules matching
+  ``--fp32-modules REGEX``, keep fp32 parameters and compute in fp32 after the
+  trainer casts the model with ``--fp16``/``--bf16``;
+* attention softmax in fp32: under half precision each ``MultiheadAttention``
+  takes fairseq's own attention path, whose softmax is computed in fp32
+  (``utils.softmax(..., dtype=float32)``), instead of PyTorch's fused
+  ``multi_head_attention_forward``, whose softmax runs in the input dtype;
+  the output log-softmax (``utils.log_softmax``) and the criterion are fp32
+  already in fairseq;
+* the loss-scaling flags ``--loss-scale`` and ``--loss-scale-hysteresis``,
+  validated when the task is set up;
+* ``fairseq-generate --bf16`` casts the models to bf16 (stock fairseq-generate
+  only knows ``--fp16``).
+"""
+
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
+from omegaconf import II
+
+from ..core.fp32_islands import apply_fp32_islands
+from ..core.loss_scaler import parse_loss_scale
+from ..core.master_weights import tag_param_names
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TranslationFP16Config", "TranslationFP16Task", "validate_precision_flags"]
+
+
+@dataclass
+class TranslationFP16Config(TranslationConfig):
+    loss_scale: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "0: dynamic loss scaling; a positive power of two: static scale. "
+            "Default: dynamic for --fp16, none for --bf16"
+        },
+    )
+    loss_scale_hysteresis: int = field(
+        default=1,
+        metadata={"help": "overflows absorbed before the dynamic scale backs off (1 = every one)"},
+    )
+    fp32_modules: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "regular expression on module names (e.g. 'output_projection|embed'): "
+            "matching modules keep fp32 weights and arithmetic; norms always do"
+        },
+    )
+    fp16: bool = II("common.fp16")
+    bf16: bool = II("common.bf16")
+
+
+def validate_precision_flags(cfg) -> None:
+    """Refuse bad precision flags before any data or model is loaded.
+
+    Raises:
+        ValueError: naming the flag and its valid values.
+    """
+    if getattr(cfg, "fp16", False) and getattr(cfg, "bf16", False):
+        raise ValueError("--fp16 and --bf16 are exclusive: pick one precision")
+    scale = parse_loss_scale(cfg.loss_scale)
+    if cfg.loss_scale_hysteresis is None or int(cfg.loss_scale_hysteresis) < 1:
+        raise ValueError(
+            "--loss-scale-hysteresis must be an integer >= 1 (1 backs off at every "
+            f"overflow), got {cfg.loss_scale_hysteresis!r}"
+        )
+    if cfg.fp32_modules:
+        try:
+            re.compile(cfg.fp32_modules)
+        except re.error as e:
+            raise ValueError(
+                f"--fp32-modules is not a valid regular expression: {cfg.fp32_modules!r} ({e})"
+            ) from None
+    if getattr(cfg, "bf16", False) and scale:
+        logger.warning(
+            "--loss-scale %s with --bf16: bf16 has fp32's exponent range and needs no "
+            "loss scaling; the scale is applied anyway", cfg.loss_scale,
+        )
+
+
+@register_task("translation_fp16", dataclass=TranslationFP16Config)
+class TranslationFP16Task(TranslationTask):
+    """Translation with fp32 islands and loss-scaling flags for --fp16/--bf16."""
+
+    cfg: TranslationFP16Config
+
+    def __init__(self, cfg: TranslationFP16Config, src_dict, tgt_dict):
+        validate_precision_flags(cfg)
+        super().__init__(cfg, src_dict, tgt_dict)
+
+    @property
+    def half_precision(self) -> bool:
+        return bool(getattr(self.cfg, "fp16", False) or getattr(self.cfg, "bf16", False))
+
+    def build_model(self, cfg, from_checkpoint=False):
+        model = super().build_model(cfg, from_checkpoint)
+        tag_param_names(model.named_parameters())
+        matched = apply_fp32_islands(model, self.cfg.fp32_modules)
+        if self.cfg.fp32_modules:
+            if matched:
+                logger.info("fp32 modules (--fp32-modules): %s", ", ".join(matched))
+            else:
+                logger.warning(
+                    "--fp32-modules %r matched no module name; names look like %s",
+                    self.cfg.fp32_modules,
+                    ", ".join(n for n, _ in list(model.named_modules())[1:4]),
+                )
+        if self.half_precision:
+            for module in model.modules():
+                if isinstance(module, MultiheadAttention):
+                    # Takes fairseq's attention path, with its fp32 softmax.
+                    module._set_skip_embed_dim_check()
+        return model
+
+    def build_generator(self, models, args, **kwargs):
+        if getattr(self.cfg, "bf16", False):
+            for model in models:
+                model.to(torch.bfloat16)  # fp32 islands stay fp32
+        return super().build_generator(models, args, **kwargs)

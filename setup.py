@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fairseq_fp16",
+    version="0.1.0",
+    description="Mixed-precision (fp16/bf16) training for fairseq translation models, "
+    "as a --user-dir plugin: fp32 master weights, fused Adam, loss scaling, fp32 islands",
+    packages=find_packages(include=["fairseq_fp16", "fairseq_fp16.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "torch>=2.4",
+        # fairseq 0.12.2 cannot be imported on Python 3.11; this fork can.
+        "fairseq-fixed==0.12.3.1",
+        "sacrebleu>=2.4",
+        "sentencepiece",
+    ],
+    extras_require={
+        "test": ["pytest>=7"],
+        "plots": ["matplotlib"],
+    },
+    entry_points={
+        "console_scripts": ["fairseq-fp16-user-dir=fairseq_fp16.cli:print_user_dir"],
+    },
+)

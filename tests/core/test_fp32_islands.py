@@ -1,0 +1,62 @@
+"""fp32 islands survive model.half()/bfloat16 and compute in fp32."""
+
+import pytest
+import torch
+from torch import nn
+
+from fairseq_fp16.core.fp32_islands import apply_fp32_islands, is_fp32_island, keep_in_fp32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.layer_norm = nn.LayerNorm(8)
+        self.output_projection = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.output_projection(self.layer_norm(self.fc(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_norms_stay_fp32_and_exact_through_half_cast(dtype):
+    torch.manual_seed(0)
+    m = Block()
+    with torch.no_grad():
+        m.layer_norm.weight.add_(torch.randn(8) * 1e-3)  # not representable in half
+    w32 = m.layer_norm.weight.detach().clone()
+    assert apply_fp32_islands(m) == []
+    m.to(dtype)
+    assert m.fc.weight.dtype == dtype and m.output_projection.weight.dtype == dtype
+    assert m.layer_norm.weight.dtype == torch.float32
+    assert torch.equal(m.layer_norm.weight, w32)  # not rounded through half
+    x = torch.randn(3, 8).to(dtype)
+    h = m.fc(x)
+    out = m.layer_norm(h)
+    assert out.dtype == dtype
+    ref = nn.functional.layer_norm(h.float(), (8,), w32, m.layer_norm.bias).to(dtype)
+    assert torch.equal(out, ref)
+    assert m(x).dtype == dtype
+
+
+def test_regex_keeps_more_modules_in_fp32_and_reports_them():
+    m = Block()
+    assert apply_fp32_islands(m, "output_proj") == ["output_projection"]
+    m.half()
+    assert m.output_projection.weight.dtype == torch.float32
+    assert m(torch.randn(2, 8).half()).dtype == torch.float16
+
+
+def test_invalid_regex_refused_naming_the_flag():
+    with pytest.raises(ValueError, match=r"--fp32-modules is not a valid regular expression: '\(unclosed'"):
+        apply_fp32_islands(Block(), "(unclosed")
+
+
+def test_keep_in_fp32_is_idempotent_and_survives_device_moves_and_deepcopy():
+    import copy
+
+    ln = keep_in_fp32(keep_in_fp32(nn.LayerNorm(4)))
+    assert type(ln).__name__ == "Fp32LayerNorm" and is_fp32_island(ln)
+    ln2 = copy.deepcopy(ln).half().to("cpu")
+    assert ln2.weight.dtype == torch.float32 and is_fp32_island(ln2)
+    assert isinstance(ln2, nn.LayerNorm)

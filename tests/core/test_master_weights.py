@@ -1,0 +1,214 @@
+"""fp16_adam's update against torch.optim.AdamW, the mixed-precision step, overflow skip."""
+
+import io
+
+import pytest
+import torch
+
+from fairseq_fp16.core.adam import AdamWNoBiasCorrection, build_adam, split_no_decay
+from fairseq_fp16.core.host_sync import HostSyncCounter
+from fairseq_fp16.core.loss_scaler import LossScaler
+from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer, tag_param_names
+
+HP = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
+
+
+def make_params(seed=0, shapes=((64, 32), (32,), (7, 5, 3))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def random_grads(params, step, scale=1.0, dtype=None):
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        grad = torch.randn(p.shape, generator=g) * scale
+        p.grad = grad.to(dtype or p.dtype)
+
+
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+def test_fp16_adam_matches_torch_adamw_over_60_steps(backend):
+    ours, ref = make_params(), make_params()
+    opt = build_adam(ours, no_decay_params="", backend=backend, **HP)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **HP)
+    for step in range(60):
+        random_grads(ours, step)
+        random_grads(ref, step)
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert ours[0].sub(make_params()[0]).abs().max() > 0.1  # it did move
+
+
+def test_auto_backend_is_fused_on_cpu():
+    opt = build_adam(make_params(), **HP)
+    assert opt.defaults["fused"] is True
+
+
+def test_no_decay_grouping_by_name():
+    lin, ln = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    model = torch.nn.ModuleDict({"fc": lin, "self_attn_layer_norm": ln})
+    tag_param_names(model.named_parameters())
+    groups = split_no_decay(list(model.parameters()), "bias,layer_norm", 0.3)
+    assert [g["weight_decay"] for g in groups] == [0.3, 0.0]
+    assert groups[0]["params"] == [lin.weight]
+    assert {id(p) for p in groups[1]["params"]} == {id(lin.bias), id(ln.weight), id(ln.bias)}
+
+
+def test_no_decay_params_really_skip_decay():
+    w = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(3))
+    tag_param_names([("fc.weight", w), ("fc.bias", b)])
+    opt = build_adam([w, b], lr=0.1, weight_decay=0.5)
+    w.grad, b.grad = torch.zeros(3), torch.zeros(3)
+    opt.step()
+    assert torch.allclose(w, torch.full((3,), 0.95)) and torch.equal(b, torch.ones(3))
+
+
+def test_no_bias_correction_matches_formula():
+    (p,) = make_params(shapes=((10,),))
+    ref = p.detach().clone()
+    opt = AdamWNoBiasCorrection([p], **HP)
+    m, v = torch.zeros(10), torch.zeros(10)
+    b1, b2 = HP["betas"]
+    for step in range(5):
+        random_grads([p], step)
+        g = p.grad.clone()
+        opt.step()
+        ref.mul_(1 - HP["lr"] * HP["weight_decay"])
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        ref -= HP["lr"] * m / (v.sqrt() + HP["eps"])
+    torch.testing.assert_close(p.detach(), ref, rtol=1e-6, atol=1e-7)
+
+
+def test_unknown_backend_refused():
+    with pytest.raises(ValueError, match=r"--adam-backend must be one of auto, fused, foreach, apex, got 'cuda'"):
+        build_adam(make_params(), backend="cuda", **HP)
+
+
+def test_apex_backend_refused_without_apex():
+    try:
+        import apex  # noqa: F401
+        pytest.skip("apex is installed")
+    except ImportError:
+        pass
+    with pytest.raises(ValueError, match=r"--adam-backend apex needs NVIDIA apex"):
+        build_adam(make_params(), backend="apex", **HP)
+
+
+# --------------------------------------------------------------------- mixed precision
+def mixed(dtype=torch.float16, backend="fused", init_scale=1024.0, **scaler_kw):
+    master_init = make_params()
+    half = [torch.nn.Parameter(p.detach().to(dtype)) for p in master_init]
+    scaler = LossScaler(init_scale, scale_window=1000, **scaler_kw)
+    opt = MixedPrecisionOptimizer(half, lambda ps: build_adam(ps, backend=backend, no_decay_params="", **HP), scaler)
+    return half, opt
+
+
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+def test_mixed_step_tracks_fp32_adamw_on_masters(backend):
+    half, opt = mixed(backend=backend)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in half]  # same start as the masters
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **HP)
+    scale = opt.scaler.loss_scale
+    for step in range(20):
+        # grads arrive scaled and in half precision
+        random_grads(half, step, scale=scale, dtype=torch.float16)
+        for r, h in zip(ref, half):
+            r.grad = h.grad.float() / scale
+        opt.clip_grad_norm(0.0)
+        opt.step()
+        ref_opt.step()
+    for m, r, h in zip(opt.master_params, ref, half):
+        torch.testing.assert_close(m, r, rtol=1e-5, atol=1e-6)
+        assert torch.equal(h, m.detach().half())  # model = masters rounded
+
+
+def test_overflow_skips_update_bit_for_bit_and_backs_off():
+    half, opt = mixed()
+    random_grads(half, 0, dtype=torch.float16)
+    opt.step()  # one real step: Adam state exists
+    before = [m.detach().clone() for m in opt.master_params]
+    state_before = {k: v.clone() for k, v in opt.optimizer.state[opt.master_params[0]].items()}
+    random_grads(half, 1, dtype=torch.float16)
+    half[1].grad[3] = float("inf")
+    norm = opt.clip_grad_norm(1.0)
+    assert not torch.isfinite(norm) and opt.found_inf.item() == 1.0
+    opt.step()
+    for m, b in zip(opt.master_params, before):
+        assert torch.equal(m, b)
+    for k, v in opt.optimizer.state[opt.master_params[0]].items():
+        assert torch.equal(v, state_before[k]), k
+    assert opt.scaler.loss_scale == 512.0
+
+
+def test_fused_step_costs_no_host_sync_and_unfused_one():
+    half, opt = mixed(backend="fused")
+    random_grads(half, 0, dtype=torch.float16)
+    with HostSyncCounter() as c:
+        opt.multiply_grads(0.5)
+        opt.clip_grad_norm(1.0)
+        opt.step()
+    assert c.count == 0, c.calls
+    half, opt = mixed(backend="foreach")
+    random_grads(half, 0, dtype=torch.float16)
+    with HostSyncCounter() as c:
+        opt.clip_grad_norm(1.0)
+        opt.step()
+    # our skip decision; torch's foreach AdamW also .item()s its step counters,
+    # which live on the CPU (no device sync on a GPU).
+    assert c.calls["__bool__"] == 1 and set(c.calls) <= {"__bool__", "item"}, c.calls
+
+
+def test_clipping_folded_into_unscale():
+    half, opt = mixed(init_scale=8.0)
+    for p in half:
+        p.grad = torch.full_like(p, 8.0 * 3.0)  # unscaled grad 3 everywhere
+    n = sum(p.numel() for p in half)
+    norm = opt.clip_grad_norm(1.0)
+    torch.testing.assert_close(norm, torch.tensor(3.0 * n**0.5))
+    # the effective unscale factor also applies the clip coefficient
+    torch.testing.assert_close(opt._inv_scale, torch.tensor(1.0 / 8.0 / (3.0 * n**0.5)), rtol=1e-5, atol=0)
+
+
+def test_bf16_model_and_fp32_islands_share_one_optimizer():
+    w = torch.nn.Parameter(torch.randn(4, 4).bfloat16())
+    ln = torch.nn.Parameter(torch.ones(4))  # an fp32 island parameter is its own master
+    opt = MixedPrecisionOptimizer([w, ln], lambda ps: build_adam(ps, **HP), LossScaler(1.0, dynamic=False))
+    assert opt.master_params[1] is ln and opt.master_params[0].dtype == torch.float32
+    w.grad, ln.grad = torch.ones(4, 4).bfloat16(), torch.ones(4)
+    opt.step()
+    assert ln.detach().sub(1).abs().max() > 0 and w.dtype == torch.bfloat16
+
+
+def test_state_round_trip_restores_masters_and_scale():
+    half, opt = mixed()
+    for step in range(3):
+        random_grads(half, step, dtype=torch.float16)
+        opt.step()
+    opt.scaler.update(torch.tensor(1.0))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    half2, opt2 = mixed()
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    for a, b in zip(opt.master_params, opt2.master_params):
+        assert torch.equal(a, b)
+    for a, b in zip(half, half2):
+        assert torch.equal(a, b)
+    assert opt2.scaler.state_dict() == opt.scaler.state_dict()
+    # and the next step is identical
+    for o, h in ((opt, half), (opt2, half2)):
+        random_grads(h, 9, dtype=torch.float16)
+        o.step()
+    for a, b in zip(opt.master_params, opt2.master_params):
+        assert torch.equal(a, b)
+
+
+def test_masters_of_another_architecture_refused():
+    half, opt = mixed()
+    state = opt.state_dict()
+    state["master_params"][0] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="master weights do not match"):
+        mixed()[1].load_state_dict(state)
