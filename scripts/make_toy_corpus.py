@@ -2,8 +2,7 @@
 """Write a small synthetic parallel corpus and binarise it with fairseq-preprocess.
 
 The "translation" is deterministic and learnable in a few hundred updates: each
-source word ``wN`` maps to ``vN``, and the target is the mapped sentence
-reversed. Used by the tests and by ``make demo`` until a real corpus is set up.
+source word ``wN`` maps to the target word ``vN``, in the same order. Used by the tests and by ``make demo`` until a real corpus is set up.
 
     python scripts/make_toy_corpus.py OUT_DIR [--train 2000 --valid 100 --test 100]
 
@@ -24,7 +23,7 @@ def make_pairs(n: int, rng: random.Random, vocab: int = 40, min_len: int = 3, ma
     for _ in range(n):
         words = [rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))]
         src = " ".join(f"w{w}" for w in words)
-        tgt = " ".join(f"v{w}" for w in reversed(words))
+        tgt = " ".join(f"v{w}" for w in words)
         pairs.append((src, tgt))
     return pairs
 

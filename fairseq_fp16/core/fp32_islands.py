@@ -64,15 +64,20 @@ class _Fp32IslandMixin:
     """Mixed into a module's class: fp32 params, fp32 forward."""
 
     _fp32_island = True
+    #: dtype the rest of the model was cast to (None while it is fp32); the
+    #: output takes it when no input tells (e.g. an embedding's token ids).
+    _island_model_dtype = None
 
     def forward(self, *args, **kwargs):
-        dtype = _first_half_dtype(args, kwargs)
+        dtype = _first_half_dtype(args, kwargs) or self._island_model_dtype
         if dtype is None:
             return super().forward(*args, **kwargs)
         out = super().forward(*_to_fp32(args), **{k: _to_fp32(v) for k, v in kwargs.items()})
         return _to_dtype(out, dtype)
 
     def _apply(self, fn, recurse=True):
+        self._island_model_dtype = _target_dtype(fn, self._island_model_dtype)
+
         def keep_fp32(t):
             out = fn(t)
             if t.dtype == torch.float32 and out.dtype in _HALF:
@@ -80,6 +85,24 @@ class _Fp32IslandMixin:
             return out
 
         return super()._apply(keep_fp32, recurse)
+
+
+def _target_dtype(fn, current):
+    """The dtype a ``Module._apply`` function casts the model to (probed on scalars).
+
+    ``model.half()`` gives fp16, ``model.to(torch.bfloat16)`` bf16, ``model.float()``
+    None (fp32 model); a device move keeps ``current``.
+    """
+    try:
+        from_fp32 = fn(torch.zeros(())).dtype
+        from_half = fn(torch.zeros((), dtype=torch.float16)).dtype
+    except Exception:  # an _apply function that only takes parameters
+        return current
+    if from_fp32 in _HALF:
+        return from_fp32
+    if from_half == torch.float32:
+        return None
+    return current
 
 
 def is_fp32_island(module: nn.Module) -> bool:
@@ -132,5 +155,13 @@ def apply_fp32_islands(
             keep_in_fp32(module)
             matched.append(name)
         elif isinstance(module, norm_types):
+            keep_in_fp32(module)
+    # A parameter shared with an island (tied embeddings and output projection)
+    # stays fp32, so every module holding it must be an island too.
+    island_params = {id(p) for m in model.modules() if is_fp32_island(m) for p in m.parameters()}
+    for module in model.modules():
+        if not is_fp32_island(module) and any(
+            id(p) in island_params for p in module.parameters(recurse=False)
+        ):
             keep_in_fp32(module)
     return matched

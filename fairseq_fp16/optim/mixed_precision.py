@@ -166,7 +166,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             self.core.skip_step()
             self._log_counters()
             self.loss_scaler.check_min_scale()  # FloatingPointError stops the run
-            raise OverflowError(f"setting loss scale to: {self.loss_scaler.loss_scale:g}")
+            raise OverflowError(f"setting loss scale to: {self.loss_scaler.loss_scale:.12g}")
         self._log_counters()
         return grad_norm
 

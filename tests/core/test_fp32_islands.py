@@ -60,3 +60,26 @@ def test_keep_in_fp32_is_idempotent_and_survives_device_moves_and_deepcopy():
     ln2 = copy.deepcopy(ln).half().to("cpu")
     assert ln2.weight.dtype == torch.float32 and is_fp32_island(ln2)
     assert isinstance(ln2, nn.LayerNorm)
+
+
+def test_tied_embedding_and_projection_become_islands_together():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(10, 4)
+            self.fc = nn.Linear(4, 4)
+            self.output_projection = nn.Linear(4, 10, bias=False)
+            self.output_projection.weight = self.embed_tokens.weight
+
+        def forward(self, tokens):
+            return self.output_projection(self.fc(self.embed_tokens(tokens)))
+
+    m = Tied()
+    assert apply_fp32_islands(m, "output_projection") == ["output_projection"]
+    assert is_fp32_island(m.embed_tokens)
+    m.half().to("cpu")  # a device move after the cast keeps the model's dtype
+    assert m.embed_tokens.weight.dtype == torch.float32 and m.fc.weight.dtype == torch.float16
+    assert m.embed_tokens(torch.tensor([1, 2])).dtype == torch.float16  # back to the model's dtype
+    assert m(torch.tensor([1, 2])).dtype == torch.float16
+    m.float()
+    assert m.embed_tokens(torch.tensor([1])).dtype == torch.float32

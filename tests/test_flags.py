@@ -1,0 +1,37 @@
+"""Every refused flag names itself and its valid values (real fairseq-train runs)."""
+
+import pytest
+
+from conftest import train
+
+pytestmark = pytest.mark.slow
+
+CASES = [
+    (["--fp16", "--loss-scale", "-4"], r"--loss-scale must be 0 \(dynamic\) or a positive power of two"),
+    (["--fp16", "--loss-scale", "100"], r"--loss-scale must be 0 \(dynamic\) or a positive power of two .*got '100'"),
+    (["--fp16", "--loss-scale", "abc"], r"--loss-scale must be 0 \(dynamic\) or a positive power of two.*got 'abc'"),
+    (["--fp16", "--loss-scale-hysteresis", "0"], r"--loss-scale-hysteresis must be an integer >= 1"),
+    (["--fp16", "--fp32-modules", "(bad"], r"--fp32-modules is not a valid regular expression: '\(bad'"),
+    (["--fp16", "--adam-betas", "(0.9,)"], r"--adam-betas must be two numbers like '\(0.9, 0.98\)'"),
+    (["--fp16", "--adam-backend", "apex"], r"--adam-backend apex needs NVIDIA apex"),
+]
+
+
+@pytest.mark.parametrize("flags,message", CASES, ids=[" ".join(c[0][1:]) for c in CASES])
+def test_bad_flag_is_refused_with_its_name(toy_data, tmp_path, flags, message):
+    import re
+
+    proc, _ = train(toy_data, tmp_path, *flags, "--max-update", "1", check=False)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr), proc.stderr[-1500:]
+
+
+def test_fp32_modules_matching_nothing_warns(toy_data, tmp_path):
+    proc, recs = train(toy_data, tmp_path, "--fp16", "--fp32-modules", "no_such_module", "--max-update", "2")
+    assert "--fp32-modules 'no_such_module' matched no module name" in proc.stdout + proc.stderr
+    assert len(recs) == 2
+
+
+def test_fp32_modules_matching_reports_them(toy_data, tmp_path):
+    proc, _ = train(toy_data, tmp_path, "--fp16", "--fp32-modules", r"decoder\.output_projection", "--max-update", "2")
+    assert "fp32 modules (--fp32-modules): decoder.output_projection" in proc.stdout + proc.stderr

@@ -1,0 +1,67 @@
+"""The trainer hook: idempotent, reversible, and loud when fairseq's internals change."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fairseq_fp16  # noqa: F401  (installs the hook)
+from fairseq import trainer as fairseq_trainer
+from fairseq_fp16 import trainer_hook
+
+
+def test_install_is_idempotent_and_uninstall_restores_fairseq():
+    cls = fairseq_trainer.Trainer
+    ours = cls._build_optimizer
+    trainer_hook.install()
+    assert cls._build_optimizer is ours and trainer_hook.is_installed()
+    trainer_hook.uninstall()
+    try:
+        assert cls._build_optimizer is trainer_hook._ORIGINALS["_build_optimizer"]
+        assert cls.train_step is trainer_hook._ORIGINALS["train_step"]
+        assert not trainer_hook.is_installed()
+    finally:
+        trainer_hook.install()
+    assert cls._build_optimizer is ours
+
+
+def test_fairseq_internals_are_as_expected():
+    trainer_hook.check_fairseq_internals()
+
+
+def test_changed_fairseq_internals_fail_loudly():
+    class ChangedTrainer:
+        def __init__(self, cfg, task, model, criterion, quantizer=None):
+            self.tpu = cfg.common.tpu
+            self._model = self._model.half()
+
+        def _build_optimizer(self):
+            self._optimizer = None  # no FP16Optimizer any more
+
+    saved = dict(trainer_hook._ORIGINALS)
+    trainer_hook._ORIGINALS.clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"Trainer._build_optimizer changed .*FP16Optimizer"):
+            trainer_hook.check_fairseq_internals(ChangedTrainer)
+    finally:
+        trainer_hook._ORIGINALS.update(saved)
+
+
+def test_core_imports_without_fairseq(tmp_path):
+    """The pure-torch core works in an environment where fairseq cannot be imported."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["fairseq"] = None  # any 'import fairseq' now fails
+        import torch
+        from fairseq_fp16.core import LossScaler, MixedPrecisionOptimizer, build_adam
+        s = LossScaler(8.0, scale_window=1)
+        s.update(torch.tensor(0.0))
+        assert s.loss_scale == 16.0
+        assert not any(m.startswith("fairseq.") for m in sys.modules)
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
