@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""Train the same model in fp32 and in mixed precision, side by side, and score each.
+
+For each mode (same data, seed and hyper-parameters) this runs ``fairseq-train``
+then ``fairseq-generate`` on the test split, scores the detokenised output
+with sacrebleu (BLEU and chrF, with signatures), and writes
+``OUT/<mode>/result.json`` (timings, peak memory, losses, loss-scale trace,
+skipped updates, scores) plus the hypothesis and reference files. Tables and
+plots come from ``scripts/report.py OUT``.
+
+    python scripts/compare.py DATA_BIN --out OUT --modes fp32,fp16,bf16 \\
+        --train-args "--arch transformer --lr 1e-3 ... --max-update 500" \\
+        --gen-args "--beam 4"
+
+Modes: fp32, fp16, bf16 (the plugin: --task translation_fp16 --optimizer
+fp16_adam) and fp16-stock (stock fairseq --fp16: --task translation
+--optimizer adam, no --user-dir; it needs CUDA). Do not put --task,
+--optimizer, --seed, --save-dir or precision flags in --train-args.
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+USER_DIR = str(ROOT / "fairseq_fp16")
+
+MODES = {
+    "fp32": {"flags": [], "plugin": True},
+    "fp16": {"flags": ["--fp16"], "plugin": True},
+    "bf16": {"flags": ["--bf16"], "plugin": True},
+    "fp16-stock": {"flags": ["--fp16"], "plugin": False},
+}
+FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
+
+
+def banner(text: str) -> None:
+    print(f"\n=== {text}", flush=True)
+
+
+def run_with_stats(stats: Path, tool: str, args, log: Path) -> dict:
+    """Run a fairseq CLI via fairseq_fp16.run_stats, teeing its output to log."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "run_stats.py"), str(stats), tool, *map(str, args)]
+    with open(log, "w") as f:
+        f.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore"))
+        for line in proc.stdout:
+            f.write(line)
+            if any(tag in line for tag in ("| train_inner |", "| valid |", "| train |", "overflow",
+                                           "fairseq_fp16", "Error", "Translated", "BLEU")):
+                print("   " + line.rstrip()[:220], flush=True)
+        code = proc.wait()
+    if code != 0:
+        raise SystemExit(f"{tool} failed with exit code {code}; see {log}")
+    return json.loads(stats.read_text())
+
+
+_RECORD = re.compile(r"\| (train_inner|valid|train) \| (\{.*\})\s*$")
+
+
+def parse_json_log(path: Path):
+    """fairseq --log-format json output -> {'train_inner': [...], 'valid': [...], 'train': [...]}"""
+    out = {"train_inner": [], "valid": [], "train": []}
+    for line in path.read_text().splitlines():
+        m = _RECORD.search(line)
+        if not m:
+            continue
+        tag = m.group(1)
+        try:
+            rec = json.loads(m.group(2))
+        except json.JSONDecodeError:
+            continue
+        prefix = f"{tag}_" if tag != "train_inner" else ""
+        out[tag].append({k[len(prefix):] if prefix and k.startswith(prefix) else k: _num(v)
+                         for k, v in rec.items()})
+    return out
+
+
+def _num(v):
+    try:
+        f = float(v)
+        return int(f) if f.is_integer() and "." not in str(v) else f
+    except (TypeError, ValueError):
+        return v
+
+
+def read_generate_output(path: Path):
+    """Hypotheses (D- lines, else H-) and references (T-) in sentence-id order."""
+    hyps, dets, refs = {}, {}, {}
+    for line in path.read_text().splitlines():
+        head, _, rest = line.partition("\t")
+        if head.startswith("T-"):
+            refs[int(head[2:])] = rest
+        elif head.startswith("H-"):
+            hyps[int(head[2:])] = rest.split("\t", 1)[1] if "\t" in rest else ""
+        elif head.startswith("D-"):
+            dets[int(head[2:])] = rest.split("\t", 1)[1] if "\t" in rest else ""
+    hyps = dets or hyps
+    ids = sorted(refs)
+    missing = [i for i in ids if i not in hyps]
+    if missing:
+        raise SystemExit(f"{path}: no hypothesis for {len(missing)} sentences (e.g. {missing[:5]})")
+    return [hyps[i] for i in ids], [refs[i] for i in ids]
+
+
+def score(hyps, refs) -> dict:
+    from sacrebleu.metrics import BLEU, CHRF
+
+    bleu, chrf = BLEU(), CHRF()
+    b = bleu.corpus_score(hyps, [refs])
+    c = chrf.corpus_score(hyps, [refs])
+    return {"bleu": round(b.score, 2), "chrf": round(c.score, 2), "bleu_bp": round(b.bp, 3),
+            "sys_len": b.sys_len, "ref_len": b.ref_len,
+            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+
+
+def run_mode(mode: str, a, out: Path) -> dict:
+    spec = MODES[mode]
+    run_dir = out / mode
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = run_dir / "checkpoints"
+    task = "translation_fp16" if spec["plugin"] else "translation"
+    optimizer = "fp16_adam" if spec["plugin"] else "adam"
+    plugin = ["--user-dir", USER_DIR] if spec["plugin"] else []
+    log_file = run_dir / "train.out"
+    train_args = [a.data, *plugin, "--task", task, "--optimizer", optimizer, "--seed", a.seed,
+                  "--save-dir", ckpt_dir, "--log-format", "json",
+                  *shlex.split(a.train_args), *spec["flags"]]
+    banner(f"[{mode}] training: fairseq-train {' '.join(spec['flags']) or '(fp32)'}")
+    t_stats = run_with_stats(run_dir / "train_stats.json", "fairseq-train", train_args, log_file)
+    log = parse_json_log(log_file)
+    inner = log["train_inner"]
+    if not inner:
+        raise SystemExit(f"[{mode}] no train_inner records in {log_file}; use --log-interval")
+
+    banner(f"[{mode}] decoding the test split: fairseq-generate {' '.join(spec['flags']) or '(fp32)'}")
+    gen_dir = run_dir / "generate"
+    gen_args = [a.data, *plugin, "--task", task, "--path", ckpt_dir / "checkpoint_last.pt",
+                "--gen-subset", a.gen_subset, "--results-path", gen_dir,
+                # fairseq-generate silently drops a last batch that is not a multiple
+                # of --required-batch-size-multiple (default 8): score every sentence.
+                "--required-batch-size-multiple", "1", *shlex.split(a.gen_args), *spec["flags"]]
+    g_stats = run_with_stats(run_dir / "generate_stats.json", "fairseq-generate", gen_args,
+                             run_dir / "generate.out")
+    hyps, refs = read_generate_output(gen_dir / f"generate-{a.gen_subset}.txt")
+    (run_dir / "hyps.txt").write_text("".join(h + "\n" for h in hyps))
+    (run_dir / "refs.txt").write_text("".join(r + "\n" for r in refs))
+    scores = score(hyps, refs)
+    print(f"   [{mode}] BLEU {scores['bleu']}  chrF {scores['chrf']}  ({len(hyps)} sentences)",
+          flush=True)
+
+    updates = int(inner[-1]["num_updates"])
+    # fairseq's per-interval rates; the first interval includes start-up, so skip it
+    steady = inner[1:] or inner
+    ups = [r["ups"] for r in steady if isinstance(r.get("ups"), (int, float))]
+    wps = [r["wps"] for r in steady if isinstance(r.get("wps"), (int, float))]
+
+    def wall_at(update):
+        walls = [r["wall"] for r in inner if r["num_updates"] <= update and "wall" in r]
+        return walls[-1] if walls else None
+    result = {
+        "mode": mode,
+        "precision_flags": spec["flags"],
+        "plugin": spec["plugin"],
+        "seed": a.seed,
+        "train_command": ["fairseq-train", *map(str, train_args)],
+        "train": {
+            "wall_s": round(t_stats["wall_s"], 2),
+            "peak_rss_mb": round(t_stats["peak_rss_mb"], 1),
+            "peak_cuda_mb": t_stats["peak_cuda_mb"],
+            "updates": updates,
+            "updates_per_s": round(sum(ups) / len(ups), 3) if ups else None,
+            "words_per_s": round(sum(wps) / len(wps), 1) if wps else None,
+            "skipped_updates": int(inner[-1].get("skipped", 0) or 0),
+            "final_loss_scale": inner[-1].get("loss_scale"),
+            "train_inner": inner,
+            "valid": [dict(v, wall=wall_at(v.get("num_updates", 0))) for v in log["valid"]],
+            "epochs": log["train"],
+        },
+        "generate": {
+            "wall_s": round(g_stats["wall_s"], 2),
+            "subset": a.gen_subset,
+            "n_sentences": len(hyps),
+            "hyps_file": "hyps.txt",
+            "refs_file": "refs.txt",
+            **scores,
+        },
+    }
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("data", help="fairseq-preprocess output (data-bin) directory")
+    ap.add_argument("--out", required=True, type=Path, help="results directory")
+    ap.add_argument("--modes", default="fp32,fp16,bf16",
+                    help=f"comma-separated, from {', '.join(MODES)} (fp32 is always run first)")
+    ap.add_argument("--train-args", default="", help="model and optimisation flags shared by all modes")
+    ap.add_argument("--gen-args", default="--beam 4", help="fairseq-generate flags shared by all modes")
+    ap.add_argument("--gen-subset", default="test")
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args(argv)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
+    for flag in FORBIDDEN:
+        if flag in shlex.split(a.train_args):
+            ap.error(f"--train-args must not contain {flag}: compare.py sets it per mode")
+    if not Path(a.data).is_dir():
+        ap.error(f"data directory not found: {a.data}")
+    modes = ["fp32"] + [m for m in modes if m != "fp32"]
+    a.out.mkdir(parents=True, exist_ok=True)
+    settings = {"data": str(a.data), "modes": modes, "train_args": a.train_args, "gen_args": a.gen_args,
+                "gen_subset": a.gen_subset, "seed": a.seed,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results = []
+    for mode in modes:
+        results.append(run_mode(mode, a, a.out))
+    settings["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    (a.out / "settings.json").write_text(json.dumps(settings, indent=1))
+    banner(f"done: {len(results)} runs in {a.out}; tables and plots: python scripts/report.py {a.out}")
+
+
+if __name__ == "__main__":
+    main()

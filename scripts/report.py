@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""Read the results of scripts/compare.py and write report.md and PNG plots.
+
+    python scripts/report.py OUT [--bootstrap 1000]
+
+Writes ``OUT/report.md`` (one table, the runs side by side with ratios to
+fp32, and sacrebleu's paired bootstrap test of each mixed-precision run
+against fp32) and ``OUT/valid_loss_updates.png``, ``OUT/valid_loss_wall.png``,
+``OUT/loss_scale.png``, ``OUT/throughput.png``. Prints the table.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+COLUMNS = [
+    "mode", "updates", "updates/s", "x fp32", "words/s", "x fp32", "peak mem MB", "x fp32",
+    "valid loss", "skipped", "final scale", "BLEU", "d BLEU", "p (vs fp32)", "chrF", "sentences",
+]
+
+
+def load_results(out: Path):
+    settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").exists() else {}
+    modes = settings.get("modes") or sorted(p.parent.name for p in out.glob("*/result.json"))
+    results = [json.loads((out / m / "result.json").read_text()) for m in modes
+               if (out / m / "result.json").exists()]
+    if not results or results[0]["mode"] != "fp32":
+        raise SystemExit(f"{out}: no fp32 result.json to compare against (run scripts/compare.py)")
+    return settings, results
+
+
+def paired_bootstrap(out: Path, results, n_samples: int):
+    """{mode: (p_value, mean BLEU, 95% CI half-width)} from sacrebleu's paired bootstrap."""
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    def lines(r, key):
+        return (out / r["mode"] / r["generate"][key]).read_text().splitlines()
+
+    refs = lines(results[0], "refs_file")
+    baseline = lines(results[0], "hyps_file")
+    pvals, systems = {}, [("baseline", baseline)]
+    for r in results[1:]:
+        hyps = lines(r, "hyps_file")
+        if hyps == baseline:
+            # sacrebleu gives identical systems p = 1/(n+1); there is no difference at all.
+            pvals[r["mode"]] = 1.0
+        else:
+            systems.append((r["mode"], hyps))
+    if len(systems) < 2:
+        return pvals
+    test = PairedTest(systems, {"BLEU": BLEU()}, [refs], test_type="bs", n_samples=n_samples)
+    _, scores = test()
+    for name, res in zip([s[0] for s in systems], scores["BLEU"]):
+        if name != "baseline":
+            pvals[name] = res.p_value
+    return pvals
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
+
+
+def fmt(v, digits=2):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def table(results, pvals):
+    base = results[0]
+    bt, bg = base["train"], base["generate"]
+    mem_key = "peak_cuda_mb" if bt.get("peak_cuda_mb") else "peak_rss_mb"
+    rows = []
+    for r in results:
+        t, g = r["train"], r["generate"]
+        valid = t["valid"][-1]["loss"] if t["valid"] else None
+        p = pvals.get(r["mode"])
+        rows.append([
+            r["mode"], t["updates"], fmt(t["updates_per_s"]), ratio(t["updates_per_s"], bt["updates_per_s"]),
+            fmt(t["words_per_s"], 0), ratio(t["words_per_s"], bt["words_per_s"]),
+            fmt(t[mem_key], 0), ratio(t[mem_key], bt[mem_key]), fmt(valid, 3), t["skipped_updates"],
+            fmt(t["final_loss_scale"], 0) if t["final_loss_scale"] is not None else "-",
+            fmt(g["bleu"]), "-" if r is base else f"{g['bleu'] - bg['bleu']:+.2f}",
+            "-" if p is None else f"{p:.3f}", fmt(g["chrf"]), g["n_sentences"],
+        ])
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines), mem_key
+
+
+def plots(out: Path, results):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    for xkey, name, label in (("num_updates", "valid_loss_updates.png", "updates"),
+                              ("wall", "valid_loss_wall.png", "wall time (s)")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in results:
+            pts = [(v.get(xkey), v["loss"]) for v in r["train"]["valid"] if v.get(xkey) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=r["mode"])
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (base 2)")
+        ax.set_title(f"Validation loss against {label}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, name)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        pts = [(x["num_updates"], x["loss_scale"]) for x in r["train"]["train_inner"] if "loss_scale" in x]
+        if pts:
+            ax.step(*zip(*pts), where="post", label=r["mode"])
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("updates")
+    ax.set_ylabel("loss scale")
+    ax.set_title("Loss scale over updates (log interval samples)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    save(fig, "loss_scale.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["mode"] for r in results]
+    wps = [r["train"]["words_per_s"] or 0 for r in results]
+    bars = ax.bar(names, wps, color=["#777777"] + ["#1f77b4"] * (len(names) - 1))
+    for b, v in zip(bars, wps):
+        ax.text(b.get_x() + b.get_width() / 2, v, f"{v / wps[0]:.2f}x" if wps[0] else "", ha="center", va="bottom")
+    ax.set_ylabel("target words / s (train)")
+    ax.set_title("Training throughput (ratio to fp32)")
+    save(fig, "throughput.png")
+    return written
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="the --out directory of scripts/compare.py")
+    ap.add_argument("--bootstrap", type=int, default=1000, help="paired bootstrap resamples")
+    a = ap.parse_args(argv)
+    settings, results = load_results(a.out)
+    pvals = paired_bootstrap(a.out, results, a.bootstrap)
+    tab, mem_key = table(results, pvals)
+    pngs = plots(a.out, results)
+    g0 = results[0]["generate"]
+    mem_note = ("CUDA allocator peak" if mem_key == "peak_cuda_mb"
+                else "process peak RSS (includes the Python interpreter and torch)")
+    md = [
+        "# fp32 vs mixed precision",
+        "",
+        f"Data: `{settings.get('data', '?')}`; seed {settings.get('seed', '?')}; "
+        f"started {settings.get('started', '?')}, finished {settings.get('finished', '?')}.",
+        "",
+        tab,
+        "",
+        f"- updates/s and words/s: mean of fairseq's per-interval rates after the first interval; "
+        f"peak memory: {mem_note}.",
+        f"- BLEU and chrF: sacrebleu on all {g0['n_sentences']} sentences of `{g0['subset']}`, "
+        f"detokenised; `{g0['bleu_signature']}`, `{g0['chrf_signature']}`.",
+        f"- p: sacrebleu paired bootstrap ({a.bootstrap} resamples) of each run against fp32; "
+        "p > 0.05 means the BLEU difference is within resampling noise (1.000: identical output).",
+        "",
+        "Training flags (all runs): `" + settings.get("train_args", "") + "`",
+        "",
+        "Decoding flags (all runs): `" + settings.get("gen_args", "") + "`",
+        "",
+    ]
+    md += [f"![{p}]({p})" for p in pngs]
+    (a.out / "report.md").write_text("\n".join(md) + "\n")
+    summary = {r["mode"]: {"bleu": r["generate"]["bleu"], "p_vs_fp32": pvals.get(r["mode"]),
+                           "words_per_s": r["train"]["words_per_s"], mem_key: r["train"][mem_key]}
+               for r in results}
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(tab)
+    print(f"\nreport: {a.out / 'report.md'}")
+    print("plots:  " + ", ".join(str(a.out / p) for p in pngs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""scripts/compare.py and scripts/report.py on the tiny corpus: schema, table, plots, BLEU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from sacrebleu.metrics import BLEU
+
+from conftest import ROOT, TINY_MODEL
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def compared(toy_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cmp")
+    train_args = " ".join(TINY_MODEL) + (
+        " --adam-betas (0.9,0.98) --lr 1e-2 --lr-scheduler inverse_sqrt --warmup-updates 10"
+        " --criterion label_smoothed_cross_entropy --max-tokens 1000 --max-update 30 --cpu"
+        " --log-interval 5 --no-epoch-checkpoints --num-workers 0"
+    )
+    subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out,
+                    "--modes", "fp16", "--train-args", train_args, "--gen-args", "--beam 1 --cpu"],
+                   check=True, capture_output=True, text=True)
+    rep = subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "200"],
+                         check=True, capture_output=True, text=True)
+    return out, rep.stdout
+
+
+def test_result_json_schema(compared):
+    out, _ = compared
+    for mode in ("fp32", "fp16"):
+        r = json.loads((out / mode / "result.json").read_text())
+        assert r["mode"] == mode and r["seed"] == 1
+        t, g = r["train"], r["generate"]
+        assert t["updates"] == 30 and t["updates_per_s"] > 0 and t["words_per_s"] > 0
+        assert t["peak_rss_mb"] > 100
+        assert [x["num_updates"] for x in t["train_inner"]] == [5, 10, 15, 20, 25, 30]
+        assert t["valid"] and all("loss" in v and "wall" in v for v in t["valid"])
+        assert g["n_sentences"] == 100 and set(g) >= {"bleu", "chrf", "bleu_signature", "chrf_signature"}
+    r16 = json.loads((out / "fp16" / "result.json").read_text())
+    assert [x["loss_scale"] for x in r16["train"]["train_inner"]] == [128] * 6
+    assert "--fp16" in r16["train_command"] and "translation_fp16" in r16["train_command"]
+
+
+def test_bleu_is_sacrebleu_on_generate_output(compared):
+    out, _ = compared
+    r = json.loads((out / "fp16" / "result.json").read_text())
+    hyps = (out / "fp16" / "hyps.txt").read_text().splitlines()
+    refs = (out / "fp16" / "refs.txt").read_text().splitlines()
+    assert len(hyps) == len(refs) == 100
+    assert r["generate"]["bleu"] == round(BLEU().corpus_score(hyps, [refs]).score, 2)
+    gen = (out / "fp16" / "generate" / "generate-test.txt").read_text()
+    assert gen.count("\nH-") + gen.startswith("H-") == 100
+
+
+def test_report_table_and_plots(compared):
+    out, stdout = compared
+    md = (out / "report.md").read_text()
+    header = md.splitlines()[4]
+    for col in ("mode", "updates/s", "x fp32", "peak mem MB", "skipped", "final scale", "BLEU",
+                "p (vs fp32)", "chrF"):
+        assert f" {col} " in header
+    rows = [l for l in md.splitlines() if l.startswith("| fp")]
+    assert [r.split(" | ")[0] for r in rows] == ["| fp32", "| fp16"]
+    assert rows[0].split(" | ")[3] == "1.00"  # fp32's ratio to itself
+    for png in ("valid_loss_updates.png", "valid_loss_wall.png", "loss_scale.png", "throughput.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert "| fp16 |" in stdout
+
+
+def test_compare_refuses_flags_it_sets(toy_data, tmp_path):
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", tmp_path,
+                           "--train-args", "--fp16 --max-update 1"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--train-args must not contain --fp16" in proc.stderr
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", tmp_path,
+                           "--modes", "fp8"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--modes: unknown fp8" in proc.stderr
