@@ -25,11 +25,13 @@ from typing import Optional
 
 import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
 from ..core.fp32_islands import apply_fp32_islands
+from ..core.half_matmul import HALF_MATMUL_CHOICES, half_matmul_context, resolve_half_matmul
 from ..core.loss_scaler import parse_loss_scale
 from ..core.master_weights import tag_param_names
 
@@ -58,8 +60,18 @@ class TranslationFP16Config(TranslationConfig):
             "matching modules keep fp32 weights and arithmetic; norms always do"
         },
     )
+    half_matmul: ChoiceEnum(list(HALF_MATMUL_CHOICES)) = field(  # type: ignore[valid-type]
+        default="auto",
+        metadata={
+            "help": "CPU matrix products of a half model: fp32-accumulate upcasts operands, "
+            "multiplies in fp32 and rounds to half (a GPU tensor core's numerics, at fp32 "
+            "speed); native uses torch's half kernels; auto picks fp32-accumulate when the "
+            "CPU has no units for the dtype. CUDA is never affected"
+        },
+    )
     fp16: bool = II("common.fp16")
     bf16: bool = II("common.bf16")
+    cpu: bool = II("common.cpu")
 
 
 def validate_precision_flags(cfg) -> None:
@@ -99,10 +111,41 @@ class TranslationFP16Task(TranslationTask):
     def __init__(self, cfg: TranslationFP16Config, src_dict, tgt_dict):
         validate_precision_flags(cfg)
         super().__init__(cfg, src_dict, tgt_dict)
+        dtype = self.half_dtype
+        on_cpu = bool(getattr(cfg, "cpu", False)) or not torch.cuda.is_available()
+        self.fp32_accumulate = on_cpu and resolve_half_matmul(str(cfg.half_matmul), dtype)
+        if dtype is not None and on_cpu:
+            logger.info(
+                "CPU %s matrix products: %s (--half-matmul %s)",
+                "fp16" if dtype == torch.float16 else "bf16",
+                "fp32 accumulation, rounded to half" if self.fp32_accumulate else "native kernels",
+                cfg.half_matmul,
+            )
+
+    @property
+    def half_dtype(self) -> Optional[torch.dtype]:
+        if getattr(self.cfg, "fp16", False):
+            return torch.float16
+        if getattr(self.cfg, "bf16", False):
+            return torch.bfloat16
+        return None
 
     @property
     def half_precision(self) -> bool:
-        return bool(getattr(self.cfg, "fp16", False) or getattr(self.cfg, "bf16", False))
+        return self.half_dtype is not None
+
+    # The CPU matmul mode is active exactly during these three steps.
+    def train_step(self, *args, **kwargs):
+        with half_matmul_context(self.fp32_accumulate):
+            return super().train_step(*args, **kwargs)
+
+    def valid_step(self, *args, **kwargs):
+        with half_matmul_context(self.fp32_accumulate):
+            return super().valid_step(*args, **kwargs)
+
+    def inference_step(self, *args, **kwargs):
+        with half_matmul_context(self.fp32_accumulate):
+            return super().inference_step(*args, **kwargs)
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
