@@ -15,7 +15,9 @@ def losses(records):
 @pytest.fixture(scope="module")
 def runs(toy_data, tmp_path_factory):
     out = {}
-    for name, flags in {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}.items():
+    # fp32-accumulate explicitly: the same numerics on every CPU, whatever its units
+    acc = ["--half-matmul", "fp32-accumulate"]
+    for name, flags in {"fp32": [], "fp16": ["--fp16", *acc], "bf16": ["--bf16", *acc]}.items():
         _, recs = train(toy_data, tmp_path_factory.mktemp(name), *flags, "--max-update", "40")
         out[name] = recs
     return out
@@ -106,3 +108,16 @@ def test_checkpoint_changes_precision_without_reset_optimizer(toy_data, tmp_path
     proc, recs = train(toy_data, tmp_path, *second, "--max-update", "10")
     assert "Loaded checkpoint" in proc.stdout + proc.stderr
     assert [r["num_updates"] for r in recs] == [7, 8, 9, 10]
+
+
+def test_fp32_accumulate_tracks_native_fp16(toy_data, tmp_path):
+    """50 updates: the CPU fp32-accumulate mode against torch's native fp16 kernels."""
+    proc, acc = train(toy_data, tmp_path / "acc", "--fp16", "--half-matmul", "fp32-accumulate",
+                      "--max-update", "50", "--no-save")
+    assert "CPU fp16 matrix products: fp32 accumulation, rounded to half" in proc.stdout + proc.stderr
+    _, native = train(toy_data, tmp_path / "native", "--fp16", "--half-matmul", "native",
+                      "--max-update", "50", "--no-save")
+    assert len(acc) == len(native) == 50
+    for a, b in zip(losses(acc), losses(native)):
+        assert a == pytest.approx(b, abs=0.02)
+    assert losses(acc)[-1] < losses(acc)[0] - 1.0

@@ -14,6 +14,8 @@ CASES = [
     (["--fp16", "--fp32-modules", "(bad"], r"--fp32-modules is not a valid regular expression: '\(bad'"),
     (["--fp16", "--adam-betas", "(0.9,)"], r"--adam-betas must be two numbers like '\(0.9, 0.98\)'"),
     (["--fp16", "--adam-backend", "apex"], r"--adam-backend apex needs NVIDIA apex"),
+    (["--fp16", "--half-matmul", "fast"],
+     r"argument --half-matmul: invalid choice: 'fast' \(choose from '?auto'?, '?native'?, '?fp32-accumulate'?\)"),
 ]
 
 

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""ms per training step of one transformer in fp32, native fp16/bf16 and fp32-accumulate fp16/bf16.
+
+    python scripts/bench_half_matmul.py [--layers 3 --dim 256 --batch 32 --seq 40 --steps 5]
+
+Same model (LayerNorms kept fp32 as in the plugin), same batch, forward + backward,
+in one process. The variants run interleaved for --rounds rounds and each reports
+the median of its per-step times, so a noisy machine shifts all of them alike.
+Prints a table and, as its last line, one JSON object with the ms/step of each
+variant and its ratio to fp32. Native fp16 on a CPU without fp16 units is very
+slow: it runs --slow-steps steps per round only.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from fairseq_fp16.core.fp32_islands import apply_fp32_islands
+from fairseq_fp16.core.half_matmul import Fp32AccumulateMatmul, cpu_has_native_half, half_matmul_context
+
+
+def build(layers, dim, seed=0):
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0,
+                                             batch_first=True)
+    return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+def time_steps(model, x, steps, accumulate):
+    """Per-step times in ms (after one warm-up step)."""
+
+    def step():
+        with half_matmul_context(accumulate):
+            out = model(x)
+            out.float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--slow-steps", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    x32 = torch.randn(a.batch, a.seq, a.dim)
+    variants = [("fp32", torch.float32, False), ("fp16 native", torch.float16, False),
+                ("fp16 fp32-accumulate", torch.float16, True), ("bf16 native", torch.bfloat16, False),
+                ("bf16 fp32-accumulate", torch.bfloat16, True)]
+    models, times = {}, {name: [] for name, _, _ in variants}
+    for name, dtype, _ in variants:
+        models[name] = build(a.layers, a.dim)
+        apply_fp32_islands(models[name])
+        models[name].to(dtype)
+    for _ in range(a.rounds):
+        for name, dtype, acc in variants:
+            slow = dtype != torch.float32 and not acc and not cpu_has_native_half(dtype)
+            times[name] += time_steps(models[name], x32.to(dtype), a.slow_steps if slow else a.steps, acc)
+    results = {name: statistics.median(t) for name, t in times.items()}
+    for name, _, _ in variants:
+        lo, hi = min(times[name]), max(times[name])
+        print(f"{name:22s} {results[name]:9.1f} ms/step (min {lo:.1f}, max {hi:.1f})  "
+              f"x{results[name] / results['fp32']:.2f} of fp32", flush=True)
+    with Fp32AccumulateMatmul() as mode:  # how many products one step routes
+        m = build(a.layers, a.dim).half()
+        m(x32.half()).float().sum().backward()
+    summary = {
+        "model": f"TransformerEncoder {a.layers}x d={a.dim} ffn={4 * a.dim}, batch {a.batch}x{a.seq}",
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpu_native_fp16": cpu_has_native_half(torch.float16), "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
+        "products_per_step": mode.calls,
+        "rounds": a.rounds, "steps_per_round": a.steps, "statistic": "median",
+        "ms_per_step": {k: round(v, 1) for k, v in results.items()},
+        "ratio_to_fp32": {k: round(v / results["fp32"], 3) for k, v in results.items()},
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
