@@ -4,7 +4,10 @@
     python scripts/bench_fairseq_train.py [DATA_BIN] [--updates 30] [--modes ...] [--model "..."]
 
 Without DATA_BIN the synthetic corpus (scripts/make_toy_corpus.py) is built in a
-temporary folder. Each mode runs ``fairseq-train --cpu`` (or on CUDA with
+temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
+plugin, --half-matmul auto), their -native / -fp32acc variants, and fp16-stock
+(stock fairseq --fp16, no plugin; CUDA only). Peak memory: the CUDA allocator's
+peak on --cuda, the process's peak RSS on the CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with
 --cuda) for --updates updates without validation or checkpoints; ms/update is
 the mean of fairseq's per-interval rate over the intervals after the first.
 The modes run interleaved --repeats times; each reports its median. Prints a
@@ -13,6 +16,7 @@ table and, as its last line, one JSON object.
 
 import argparse
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -23,8 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+# (flags, plugin?, extra environment)
 MODES = {
     "fp32": [],
+    "tf32": [],  # fp32 with TF32 tensor-core products (CUDA; env below)
+    "fp16-stock": ["--fp16"],  # stock fairseq: no --user-dir, task translation, optimizer adam
     "fp16": ["--fp16"],
     "fp16-native": ["--fp16", "--half-matmul", "native"],
     "fp16-fp32acc": ["--fp16", "--half-matmul", "fp32-accumulate"],
@@ -32,22 +39,35 @@ MODES = {
     "bf16-native": ["--bf16", "--half-matmul", "native"],
     "bf16-fp32acc": ["--bf16", "--half-matmul", "fp32-accumulate"],
 }
+STOCK = {"fp16-stock"}
+ENV = {"tf32": {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}}
 MODEL = ("--arch transformer --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 "
          "--decoder-embed-dim 256 --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024 "
          "--encoder-attention-heads 4 --decoder-attention-heads 4 --share-all-embeddings --max-tokens 2048")
 
 
-def run(data, flags, updates, model, device):
-    cmd = [str(Path(sys.executable).parent / "fairseq-train"), str(data), "--user-dir", str(ROOT / "fairseq_fp16"),
-           "--task", "translation_fp16", "--optimizer", "fp16_adam", "--lr", "1e-3",
-           *shlex.split(model), "--max-update", str(updates), "--log-format", "simple",
-           "--log-interval", "5", "--no-save", "--disable-validation", "--seed", "1", *device, *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"fairseq-train {' '.join(flags)} failed:\n{out.stderr[-2000:]}")
-    ups = [float(x) for x in re.findall(r"\| train_inner \|.* ups=([0-9.]+)", out.stdout + out.stderr)]
-    steady = ups[1:] or ups
-    return 1000.0 / (sum(steady) / len(steady))
+def run(data, mode, updates, model, device):
+    """(ms/update, target words/s, peak MB) of one fairseq-train run."""
+    flags = MODES[mode]
+    plugin = [] if mode in STOCK else ["--user-dir", str(ROOT / "fairseq_fp16")]
+    task, optimizer = ("translation", "adam") if mode in STOCK else ("translation_fp16", "fp16_adam")
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = Path(tmp) / "stats.json"
+        cmd = [sys.executable, str(ROOT / "scripts" / "run_stats.py"), str(stats), "fairseq-train",
+               str(data), *plugin, "--task", task, "--optimizer", optimizer, "--lr", "1e-3",
+               *shlex.split(model), "--max-update", str(updates), "--log-format", "simple",
+               "--log-interval", "5", "--no-save", "--disable-validation", "--seed", "1", *device, *flags]
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV.get(mode, {})})
+        if out.returncode != 0:
+            raise SystemExit(f"fairseq-train ({mode}) failed:\n{out.stderr[-2000:]}")
+        peak = json.loads(stats.read_text())
+    text = out.stdout + out.stderr
+    ups = [float(x) for x in re.findall(r"\| train_inner \|.* ups=([0-9.]+)", text)][1:]
+    wps = [float(x) for x in re.findall(r"\| train_inner \|.* wps=([0-9.]+)", text)][1:]
+    if not ups:
+        raise SystemExit(f"fairseq-train ({mode}): no train_inner records; raise --updates")
+    mem = peak["peak_cuda_mb"] if peak["peak_cuda_mb"] else peak["peak_rss_mb"]
+    return 1000.0 / (sum(ups) / len(ups)), sum(wps) / len(wps), mem
 
 
 def main():
@@ -82,11 +102,17 @@ def main():
             slow = mode == "fp16-native" and not a.cuda and not cpu_has_native_half(torch.float16)
             if slow and runs[mode]:
                 continue  # once is enough for the slow one
-            runs[mode].append(run(data, MODES[mode], a.native_updates if slow else a.updates, a.model, device))
-    ms = {m: statistics.median(v) for m, v in runs.items()}
+            runs[mode].append(run(data, mode, a.native_updates if slow else a.updates, a.model, device))
+    ms = {m: statistics.median(r[0] for r in v) for m, v in runs.items()}
+    wps = {m: statistics.median(r[1] for r in v) for m, v in runs.items()}
+    mem = {m: max(r[2] for r in v) for m, v in runs.items()}
+    mem_kind = "CUDA allocator peak" if a.cuda else "process peak RSS"
+    first = modes[0]
     for mode in modes:
-        print(f"{mode:14s} {ms[mode]:9.1f} ms/update  x{ms[mode] / ms[modes[0]]:.2f} of {modes[0]}  "
-              f"(runs: {', '.join(f'{v:.0f}' for v in runs[mode])})", flush=True)
+        print(f"{mode:14s} {ms[mode]:9.1f} ms/update  x{ms[mode] / ms[first]:.2f}  "
+              f"{wps[mode]:9.0f} words/s  x{wps[mode] / wps[first]:.2f}  "
+              f"{mem[mode]:8.0f} MB  x{mem[mode] / mem[first]:.2f}  "
+              f"(runs: {', '.join(f'{r[0]:.0f}' for r in runs[mode])} ms)", flush=True)
     print(json.dumps({
         "model": a.model, "device": "cuda" if a.cuda else "cpu", "updates": a.updates,
         "repeats": a.repeats, "statistic": "median",
@@ -94,6 +120,10 @@ def main():
         "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
         "ms_per_update": {k: round(v, 1) for k, v in ms.items()},
         "ratio_to_first": {k: round(v / ms[modes[0]], 3) for k, v in ms.items()},
+        "words_per_s": {k: round(v, 1) for k, v in wps.items()},
+        "words_ratio_to_first": {k: round(v / wps[first], 3) for k, v in wps.items()},
+        "peak_mb": {k: round(v, 1) for k, v in mem.items()}, "peak_kind": mem_kind,
+        "peak_ratio_to_first": {k: round(v / mem[first], 3) for k, v in mem.items()},
     }))
 
 
