@@ -10,9 +10,10 @@ fused ``AdamW`` on fp32 parameters, and of a plain memory copy; the bytes each
 step must move, the achieved GB/s and its ratio to the copy bandwidth; and the
 host syncs one wrapper step makes (counted with HostSyncCounter).
 
-Bytes per parameter: wrapper 42 (norm reads fp16 grads 2; grad copy 2+4; fused
-AdamW reads param/grad/m/v 16 and writes param/m/v 12; copy back 4+2);
-fused fp32 AdamW 28. Prints a table and, as its last line, one JSON object.
+Bytes per parameter: wrapper 44 (grad copy fp16 -> fp32 2+4; norm reads the
+fp32 grads 4; fused AdamW reads param/grad/m/v 16 and writes param/m/v 12;
+copy back 4+2); fused fp32 AdamW 28. The copy moves the wrapper's bytes (half
+read, half written) in fp32. Prints a table and, as its last line, one JSON object.
 """
 
 import argparse
@@ -28,7 +29,7 @@ from fairseq_fp16.core.loss_scaler import LossScaler
 from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer
 
 CHUNK = 1 << 20  # parameters per tensor (a transformer has many mid-sized tensors)
-WRAPPER_BYTES_PER_PARAM = 42
+WRAPPER_BYTES_PER_PARAM = 44
 ADAMW_BYTES_PER_PARAM = 28
 
 
@@ -93,10 +94,10 @@ def bench(n, device, steps):
     del p32, g32, adamw
 
     # memory copy: the wrapper's bytes as one read+write stream
-    src = torch.empty(n * WRAPPER_BYTES_PER_PARAM // 2, dtype=torch.uint8, device=device)
+    src = torch.empty(n * WRAPPER_BYTES_PER_PARAM // 8, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     copy_ms = timed(lambda: dst.copy_(src), steps, device)
-    copy_gbps = 2 * src.numel() / copy_ms / 1e6
+    copy_gbps = 2 * src.numel() * 4 / copy_ms / 1e6
     del src, dst
 
     achieved = n * WRAPPER_BYTES_PER_PARAM / mixed_ms / 1e6

@@ -4,13 +4,12 @@
 
 1. ``backward``: the fp32 loss is multiplied by the loss scale, gradients land
    in the fp16/bf16 model parameters;
-2. ``clip_grad_norm``: the norm of the half gradients is taken with fp32
-   accumulation and unscaled; an overflow shows up as a non-finite norm and is
-   written into a ``found_inf`` tensor; clipping is folded into the unscale
-   factor, so no pass over the gradients is spent on it;
-3. ``step``: half gradients are copied into fp32 master gradients, the inner
-   optimizer updates the fp32 masters, and the masters are rounded back into
-   the model. An inner optimizer that declares ``_step_supports_amp_scaling``
+2. ``clip_grad_norm``: the half gradients are copied into fp32 master
+   gradients and their norm is taken and unscaled; an overflow shows up as a
+   non-finite norm and is written into a ``found_inf`` tensor; clipping is
+   folded into the unscale factor, so no pass over the gradients is spent on it;
+3. ``step``: the inner optimizer updates the fp32 masters from the master
+   gradients, and the masters are rounded back into the model. An inner optimizer that declares ``_step_supports_amp_scaling``
    (torch's fused Adam/AdamW, on CUDA and CPU) receives ``grad_scale`` and
    ``found_inf``: it unscales inside the kernel and skips the update on
    overflow, so the step needs no host sync. Other optimizers are unscaled
@@ -93,6 +92,7 @@ class MixedPrecisionOptimizer:
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._multiplier: float | torch.Tensor = 1.0
         self._inv_scale: Optional[torch.Tensor] = None  # unscale * clip factor
+        self._grads_synced = False  # master grads hold this step's gradients
 
     # ---------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor) -> None:
@@ -105,23 +105,22 @@ class MixedPrecisionOptimizer:
         self._inv_scale = None
 
     # ------------------------------------------------------------ grad checks
-    def _grads(self) -> List[torch.Tensor]:
-        return [p.grad for p in self.model_params if p.grad is not None]
-
     def clip_grad_norm(self, max_norm: float = 0.0) -> torch.Tensor:
         """Unscaled gradient norm (fp32 tensor); sets ``found_inf``; no sync.
 
-        With ``max_norm > 0`` the clip coefficient is folded into the factor
-        the step applies, not applied to the gradients here.
+        The half gradients are copied into the fp32 master gradients first (the
+        step needs them there anyway) and the norm is taken over those, which on
+        CPUs is faster than an fp16 norm with fp32 accumulation. With
+        ``max_norm > 0`` the clip coefficient is folded into the factor the
+        step applies, not applied to the gradients here.
         """
-        grads = self._grads()
+        grads = self._sync_master_grads()
         device = self._found_inf.device
         inv = (1.0 / self.scaler.scale_tensor.double()).float()
         mult = self._multiplier
         inv = inv * (mult.to(device).float() if torch.is_tensor(mult) else float(mult))
         if grads:
-            # fp32 accumulation: a half norm of scaled gradients would overflow.
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            norms = torch._foreach_norm(grads, 2)
             total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
         else:
             total = torch.zeros((), device=device)
@@ -141,18 +140,20 @@ class MixedPrecisionOptimizer:
 
     # -------------------------------------------------------------------- step
     def _sync_master_grads(self) -> List[torch.Tensor]:
-        """Copy half grads into fp32 master grads; return the master grads."""
-        src, dst = [], []
-        for p, m in self._half_pairs:
-            if p.grad is None:
-                m.grad = None
-                continue
-            if m.grad is None:
-                m.grad = torch.empty_like(m)
-            src.append(p.grad)
-            dst.append(m.grad)
-        if dst:
-            torch._foreach_copy_(dst, src)
+        """Copy half grads into fp32 master grads (once per step); return all master grads."""
+        if not self._grads_synced:
+            src, dst = [], []
+            for p, m in self._half_pairs:
+                if p.grad is None:
+                    m.grad = None
+                    continue
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                src.append(p.grad)
+                dst.append(m.grad)
+            if dst:
+                torch._foreach_copy_(dst, src)
+            self._grads_synced = True
         return [m.grad for m in self.master_params if m.grad is not None]
 
     def step(self) -> None:
@@ -183,8 +184,12 @@ class MixedPrecisionOptimizer:
                 self.optimizer.step()
         self._copy_masters_to_model()
         self.scaler.update(self._found_inf)
+        self._reset_step_state()
+
+    def _reset_step_state(self) -> None:
         self._multiplier = 1.0
         self._inv_scale = None
+        self._grads_synced = False
 
     def _copy_masters_to_model(self) -> None:
         if self._half_pairs:
@@ -195,15 +200,13 @@ class MixedPrecisionOptimizer:
     def skip_step(self) -> None:
         """Record an overflowed update without stepping (the caller detected it)."""
         self.scaler.update(self._found_inf)
-        self._multiplier = 1.0
-        self._inv_scale = None
+        self._reset_step_state()
 
     def zero_grad(self) -> None:
         """Drop the model's gradients; fp32 master grad buffers are reused."""
         for p in self.model_params:
             p.grad = None
-        self._multiplier = 1.0
-        self._inv_scale = None
+        self._reset_step_state()
 
     # -------------------------------------------------------------- state dict
     def state_dict(self) -> Dict[str, object]:
