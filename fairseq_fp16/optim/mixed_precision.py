@@ -16,7 +16,9 @@ update) and ``FloatingPointError`` when the scale reached ``--min-loss-scale``
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any, Dict, Optional
 
 import torch
@@ -24,6 +26,7 @@ from fairseq import optim
 from fairseq.logging import metrics
 from fairseq.optim import FairseqOptimizer
 
+from ..core.diagnostics import LostUpdateMonitor, attribute_overflow, gradient_precision_stats
 from ..core.loss_scaler import LossScaler, parse_loss_scale
 from ..core.master_weights import MixedPrecisionOptimizer
 
@@ -107,6 +110,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         self.overflow_pending = False  # set by an overflow, cleared by zero_grad
         self.num_skipped = 0  # updates skipped for overflow (host-side count)
         self._params = params
+        self.diagnostics = None
         if precision == "fp32":
             self.inner = optim.build_optimizer(cfg.optimizer, params)
             self.core: Optional[MixedPrecisionOptimizer] = None
@@ -122,6 +126,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             self.core = MixedPrecisionOptimizer(params, build, self.loss_scaler)
             self.inner = built["inner"]
             self.scaler = _ScaleView(self.loss_scaler)
+            self.diagnostics = Diagnostics.from_cfg(cfg, precision)
             logger.info(
                 "fairseq_fp16: %s model, fp32 master weights, %s, %s step",
                 precision,
@@ -160,14 +165,27 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         # The trainer reads grad_norm right after this call; the overflow test
         # here is that same host sync, not an extra one.
         overflow = not bool(torch.isfinite(grad_norm))
+        diag = self.diagnostics
+        if diag is not None:
+            diag.attempt += 1
         if overflow:
             self.overflow_pending = True
             self.num_skipped += 1
+            # Only on this (already synced) overflow step: name the culprits.
+            culprits = attribute_overflow(self.core.model_params)
+            logger.info("gradient overflow in: %s", ", ".join(
+                f"{c['param']} ({c['nonfinite']} of {c['numel']} non-finite)" for c in culprits) or "?")
             self.core.skip_step()
             self._log_counters()
+            if diag is not None:
+                diag.trace(self, grad_norm, overflow=True, culprits=culprits)
             self.loss_scaler.check_min_scale()  # FloatingPointError stops the run
             raise OverflowError(f"setting loss scale to: {self.loss_scaler.loss_scale:.12g}")
         self._log_counters()
+        if diag is not None:
+            diag.pending_norm = grad_norm
+            if diag.stats_due():
+                diag.measure_gradients(self)
         return grad_norm
 
     def _log_counters(self) -> None:
@@ -182,7 +200,12 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             raise ValueError("the mixed-precision optimizer does not take a closure")
         if scale != 1.0:
             self.core.multiply_grads(1.0 / scale)
+        diag = self.diagnostics
+        if diag is not None and diag.pending_stats is not None:
+            diag.lost.before_step(self.core.master_params)
         self.core.step()
+        if diag is not None:
+            diag.after_step(self)
 
     def zero_grad(self):
         self.overflow_pending = False
@@ -225,3 +248,92 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         if optimizer_overrides:
             for group in self.param_groups:
                 group.update(optimizer_overrides)
+
+
+class Diagnostics:
+    """Opt-in traces of a mixed-precision run (``--scale-trace``, ``--precision-stats-interval``).
+
+    Off, it costs nothing: the wrapper does not build it. On, each update reads
+    the scale and gradient norm (host syncs the trace needs), and every
+    ``interval`` updates the gradient and lost-update statistics are taken.
+    """
+
+    def __init__(self, dtype, trace_file: Optional[str], interval: int, stats_file: Optional[str]):
+        self.dtype = dtype
+        self.trace_file = trace_file
+        self.interval = interval
+        self.stats_file = stats_file
+        self.lost = LostUpdateMonitor(dtype)
+        self.attempt = 0  # updates attempted, skipped ones included
+        self.pending_norm = None
+        self.pending_stats = None
+        for path in (trace_file, stats_file):
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    @classmethod
+    def from_cfg(cls, cfg, precision: str) -> Optional["Diagnostics"]:
+        task = cfg.task
+        trace = getattr(task, "scale_trace", None)
+        interval = int(getattr(task, "precision_stats_interval", 0) or 0)
+        if interval < 0:
+            raise ValueError(f"--precision-stats-interval must be >= 0 (0 = off), got {interval}")
+        if not trace and not interval:
+            return None
+        stats_file = getattr(task, "precision_stats", None) or os.path.join(
+            cfg.checkpoint.save_dir, "precision_stats.jsonl")
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        return cls(dtype, trace, interval, stats_file if interval else None)
+
+    def stats_due(self) -> bool:
+        return bool(self.interval) and self.attempt % self.interval == 0
+
+    def measure_gradients(self, opt) -> None:
+        self.pending_stats = gradient_precision_stats(opt.core.model_params, self.dtype)
+
+    @staticmethod
+    def _write(path: str, record: Dict[str, Any]) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def trace(self, opt, grad_norm, overflow: bool, culprits=None) -> None:
+        if not self.trace_file:
+            return
+        record = {
+            "update": self.attempt,
+            "num_updates": self.attempt - opt.num_skipped,
+            "loss_scale": opt.loss_scaler.loss_scale,
+            "overflow": overflow,
+            "skipped": overflow,
+            "grad_norm": float(grad_norm) if not overflow else None,
+        }
+        if overflow:
+            record["overflow_params"] = culprits or []
+        self._write(self.trace_file, record)
+
+    def after_step(self, opt) -> None:
+        if self.pending_stats is not None:
+            lost = self.lost.after_step()
+            stats = self.pending_stats
+            self.pending_stats = None
+            for layer, frac in lost.items():
+                stats.setdefault(layer, {})["lost_update_frac"] = frac
+            record = {"update": self.attempt, "loss_scale": opt.loss_scaler.loss_scale,
+                      "dtype": str(self.dtype).replace("torch.", ""), "layers": stats}
+            self._write(self.stats_file, record)
+            logger.info("precision stats @ update %d: %s", self.attempt, summarize(stats))
+        if self.pending_norm is not None:
+            self.trace(opt, self.pending_norm, overflow=False)
+            self.pending_norm = None
+
+
+def summarize(stats: Dict[str, Dict]) -> str:
+    """One log line: element-weighted zero/subnormal fractions, least headroom, lost updates."""
+    total = sum(v.get("numel", 0) for v in stats.values()) or 1
+    zero = sum(v.get("zero_frac", 0) * v.get("numel", 0) for v in stats.values()) / total
+    sub = sum(v.get("subnormal_frac", 0) * v.get("numel", 0) for v in stats.values()) / total
+    lost = sum(v.get("lost_update_frac", 0) * v.get("numel", 0) for v in stats.values()) / total
+    tight = min(stats.items(), key=lambda kv: kv[1].get("headroom_log2", float("inf")))
+    return (f"zero {zero:.2%}, subnormal {sub:.2%} of gradient elements; least headroom "
+            f"{tight[1].get('headroom_log2', float('nan')):.1f} bits ({tight[0]}); "
+            f"updates lost without fp32 masters {lost:.2%}")

@@ -69,6 +69,21 @@ class TranslationFP16Config(TranslationConfig):
             "CPU has no units for the dtype. CUDA is never affected"
         },
     )
+    scale_trace: Optional[str] = field(
+        default=None,
+        metadata={"help": "JSONL file: one line per update (scale, overflow, skipped, grad norm, "
+                  "the parameters that overflowed)"},
+    )
+    precision_stats_interval: int = field(
+        default=0,
+        metadata={"help": "every N updates: per-layer zero/subnormal gradient fractions, headroom "
+                  "and lost-update fraction (0 = off)"},
+    )
+    precision_stats: Optional[str] = field(
+        default=None,
+        metadata={"help": "JSONL file for --precision-stats-interval "
+                  "(default: SAVE_DIR/precision_stats.jsonl)"},
+    )
     fp16: bool = II("common.fp16")
     bf16: bool = II("common.bf16")
     cpu: bool = II("common.cpu")
@@ -95,6 +110,11 @@ def validate_precision_flags(cfg) -> None:
             raise ValueError(
                 f"--fp32-modules is not a valid regular expression: {cfg.fp32_modules!r} ({e})"
             ) from None
+    if cfg.precision_stats_interval is not None and int(cfg.precision_stats_interval) < 0:
+        raise ValueError(
+            "--precision-stats-interval must be >= 0 (0 = off), "
+            f"got {cfg.precision_stats_interval!r}"
+        )
     if getattr(cfg, "bf16", False) and scale:
         logger.warning(
             "--loss-scale %s with --bf16: bf16 has fp32's exponent range and needs no "

@@ -1,0 +1,136 @@
+"""Diagnostics: overflow attribution, underflow/headroom and lost-update statistics, traces."""
+
+import json
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import fairseq_fp16  # noqa: F401  (registers fp16_adam)
+from fairseq_fp16.core.diagnostics import LostUpdateMonitor, attribute_overflow, gradient_precision_stats
+from fairseq_fp16.core.host_sync import HostSyncCounter
+from fairseq_fp16.core.master_weights import tag_param_names
+from fairseq_fp16.optim.mixed_precision import MixedPrecisionFairseqOptimizer
+
+from conftest import train
+
+
+def named_half(**shapes):
+    params = {n: torch.nn.Parameter(torch.zeros(s).half()) for n, s in shapes.items()}
+    tag_param_names(params.items())
+    return params
+
+
+def test_injected_inf_is_attributed_to_its_parameter():
+    p = named_half(**{"encoder.fc1.weight": (4, 4), "decoder.fc2.weight": (8,), "decoder.fc2.bias": (2,)})
+    for t in p.values():
+        t.grad = torch.ones_like(t)
+    p["decoder.fc2.weight"].grad[[1, 5]] = float("inf")
+    p["encoder.fc1.weight"].grad[0, 0] = float("nan")
+    assert attribute_overflow(list(p.values())) == [
+        {"param": "decoder.fc2.weight", "nonfinite": 2, "numel": 8},
+        {"param": "encoder.fc1.weight", "nonfinite": 1, "numel": 16},
+    ]
+
+
+def test_underflow_fractions_and_headroom_match_hand_computation():
+    p = named_half(**{"l.weight": (8,), "l.bias": (2,)})
+    # fp16: smallest normal 2^-14, smallest subnormal 2^-24, max 65504
+    p["l.weight"].grad = torch.tensor([0.0, 2**-24, 2**-20, 2**-15, 2**-14, 1.0, 4.0, -1024.0]).half()
+    p["l.bias"].grad = torch.tensor([0.0, 2.0]).half()
+    s = gradient_precision_stats(list(p.values()), torch.float16)["l"]
+    assert s["numel"] == 10
+    assert s["zero_frac"] == pytest.approx(2 / 10)
+    assert s["subnormal_frac"] == pytest.approx(3 / 10)  # 2^-24, 2^-20, 2^-15
+    assert s["max_abs"] == 1024.0
+    assert s["headroom_log2"] == pytest.approx(math.log2(65504 / 1024))
+
+
+def test_fp32_gradients_measured_as_if_half():
+    w = torch.nn.Parameter(torch.zeros(3))
+    tag_param_names([("ln.weight", w)])
+    w.grad = torch.tensor([1e-9, 1e-6, 1.0])  # 1e-9 rounds to 0 in fp16, 1e-6 is subnormal
+    s = gradient_precision_stats([w], torch.float16)["ln"]
+    assert (s["zero_frac"], s["subnormal_frac"]) == pytest.approx((1 / 3, 1 / 3))
+
+
+def test_lost_update_fraction():
+    w = torch.nn.Parameter(torch.tensor([1.0, 1.0, 1000.0, 1000.0, 3.0]))
+    tag_param_names([("m.weight", w)])
+    mon = LostUpdateMonitor(torch.float16)
+    mon.before_step([w])
+    # fp16 ulp: 2^-10 at 1.0, 0.5 at 1000; half an ulp is the rounding threshold
+    w.data += torch.tensor([2**-12, 2**-9, 0.2, 0.3, 0.0])
+    assert mon.after_step() == {"m": pytest.approx(2 / 4)}  # 2^-12 and 0.2 lost; 0 not counted
+
+
+def fairseq_cfg(**task):
+    return OmegaConf.create({
+        "optimizer": {"_name": "fp16_adam", "adam_betas": "(0.9, 0.98)", "adam_eps": 1e-8,
+                      "weight_decay": 0.0, "no_bias_correction": False, "no_decay_params": "bias",
+                      "adam_backend": "fused", "lr": [1e-3]},
+        "common": {"fp16_init_scale": 128, "fp16_scale_window": None, "fp16_scale_tolerance": 0.0,
+                   "min_loss_scale": 1e-4, "threshold_loss_scale": None},
+        "distributed_training": {"distributed_world_size": 1},
+        "optimization": {"update_freq": [1]},
+        "checkpoint": {"save_dir": task.pop("save_dir", "/tmp")},
+        "task": {"loss_scale": None, "loss_scale_hysteresis": 1, **task},
+    })
+
+
+def step_syncs(opt, params):
+    for p in params:
+        p.grad = torch.full_like(p, 0.01)
+    with HostSyncCounter() as c:
+        opt.multiply_grads(0.5)
+        opt.clip_grad_norm(0.0)
+        opt.step()
+    return c.count
+
+
+def test_diagnostics_off_cost_no_extra_host_sync(tmp_path):
+    params = list(named_half(**{"a.weight": (64, 64), "a.bias": (64,)}).values())
+    off = MixedPrecisionFairseqOptimizer(fairseq_cfg(), params, "fp16")
+    assert off.diagnostics is None
+    # the one sync is the overflow test on the grad norm that fairseq's trainer reads anyway
+    assert step_syncs(off, params) == 1
+    on = MixedPrecisionFairseqOptimizer(
+        fairseq_cfg(scale_trace=str(tmp_path / "t.jsonl"), precision_stats_interval=1,
+                    precision_stats=str(tmp_path / "s.jsonl")), params, "fp16")
+    assert step_syncs(on, params) > 1
+    assert json.loads((tmp_path / "t.jsonl").read_text())["update"] == 1
+    assert set(json.loads((tmp_path / "s.jsonl").read_text())["layers"]) == {"a"}
+
+
+@pytest.mark.slow
+def test_trace_has_one_line_per_update_and_plots(toy_data, tmp_path):
+    trace, stats = tmp_path / "trace.jsonl", tmp_path / "stats.jsonl"
+    proc, recs = train(toy_data, tmp_path, "--fp16", "--fp16-init-scale", "1048576", "--max-update", "20",
+                       "--scale-trace", trace, "--precision-stats-interval", "5",
+                       "--precision-stats", stats, "--no-save")
+    lines = [json.loads(l) for l in trace.read_text().splitlines()]
+    skipped = int(recs[-1]["skipped"])
+    assert len(lines) == 20 + skipped
+    assert [l["update"] for l in lines] == list(range(1, 21 + skipped))
+    assert sum(l["overflow"] for l in lines) == skipped > 0
+    first = lines[0]
+    assert first["overflow"] and first["overflow_params"] and first["overflow_params"][0]["nonfinite"] > 0
+    assert all(l["grad_norm"] > 0 for l in lines if not l["overflow"])
+    assert lines[-1]["num_updates"] == 20
+    text = proc.stdout + proc.stderr
+    assert "gradient overflow in: " in text and "precision stats @ update" in text
+    st = [json.loads(l) for l in stats.read_text().splitlines()]
+    assert st and all(r["update"] % 5 == 0 for r in st)
+    assert all({"zero_frac", "subnormal_frac", "headroom_log2", "lost_update_frac"} <= set(v)
+               for r in st for v in r["layers"].values())
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = subprocess.run([sys.executable, ROOT / "scripts" / "plot_trace.py", "--scale-trace", trace,
+                          "--precision-stats", stats, "--out", tmp_path / "plots"],
+                         capture_output=True, text=True, check=True)
+    for name in ("scale_trace.png", "precision_stats.png", "precision_stats_over_updates.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG", out.stdout
