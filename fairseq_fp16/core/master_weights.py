@@ -116,6 +116,8 @@ class MixedPrecisionOptimizer:
         """
         grads = self._sync_master_grads()
         device = self._found_inf.device
+        # 1/scale in fp64: exact for the power-of-two scales, and correctly rounded
+        # to fp32 for any other (a --threshold-loss-scale floor, a tolerance).
         inv = (1.0 / self.scaler.scale_tensor.double()).float()
         mult = self._multiplier
         inv = inv * (mult.to(device).float() if torch.is_tensor(mult) else float(mult))

@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""Build a real English->X translation corpus offline from Debian's archive (DDTP).
+
+Debian's translated package descriptions (the Debian Description Translation
+Project) are human translations that apt fetches as index files. This script:
+
+1. runs ``apt-get update`` with a private state folder (the system's apt state
+   is untouched) and ``Acquire::Languages=en,<lang>``, using the sources the
+   machine already has;
+2. pairs the English and <lang> stanzas by ``Description-md5``: the short
+   descriptions, and the long descriptions paragraph by paragraph where both
+   have the same number of paragraphs; deduplicates;
+3. splits train/valid/test by package family (a normalised name prefix,
+   hashed), never by line, so formulaic descriptions of one family do not leak
+   from train into test; the split is deterministic;
+4. trains a joint sentencepiece model on the training pairs, encodes every
+   split, and runs ``fairseq-preprocess`` with a joined dictionary.
+
+    python examples/translation/prepare_debian.py --lang de --out data/debian-ende
+
+Each step is skipped when its output exists (delete the folder to rebuild).
+The descriptions are archive metadata without an explicit license: the data is
+fetched at run time and not committed.
+"""
+
+import argparse
+import hashlib
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Tuple
+
+LANGS = ("de", "fr", "it", "es", "da", "nl", "pt", "ru", "ja", "pl", "sv", "fi", "cs", "uk")
+APT_HELPER = "/usr/lib/apt/apt-helper"
+
+
+# ----------------------------------------------------------------------------- parsing
+def parse_stanzas(text: str) -> Iterator[Dict[str, str]]:
+    """RFC-822 stanzas: ``{"Package", "Description-md5", "Description-xx": full text}``."""
+    for block in text.split("\n\n"):
+        fields: Dict[str, str] = {}
+        key = None
+        for line in block.splitlines():
+            if line.startswith((" ", "\t")) and key:
+                fields[key] += "\n" + line
+            elif ":" in line:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+        if fields:
+            yield fields
+
+
+def split_description(desc: str) -> Tuple[str, List[str]]:
+    """(short description, long-description paragraphs); ' .' lines separate paragraphs."""
+    lines = desc.split("\n")
+    short = lines[0].strip()
+    paragraphs, cur = [], []
+    for line in lines[1:]:
+        body = line[1:] if line.startswith(" ") else line
+        if body.strip() == ".":
+            if cur:
+                paragraphs.append(" ".join(cur))
+            cur = []
+        else:
+            cur.append(body.strip())
+    if cur:
+        paragraphs.append(" ".join(cur))
+    return short, [re.sub(r"\s+", " ", p).strip() for p in paragraphs if p.strip()]
+
+
+def descriptions(text: str, lang: str) -> Dict[str, Tuple[str, str]]:
+    """{Description-md5: (package, description)} for one language's index."""
+    out = {}
+    for st in parse_stanzas(text):
+        md5, desc = st.get("Description-md5"), st.get(f"Description-{lang}")
+        if md5 and desc:
+            out[md5] = (st.get("Package", ""), desc)
+    return out
+
+
+def pair_descriptions(en: Dict[str, Tuple[str, str]], xx: Dict[str, Tuple[str, str]]) -> List[Tuple[str, str, str]]:
+    """(english, translation, package) pairs, deduplicated, in a stable order."""
+    pairs, seen = [], set()
+    for md5 in sorted(set(en) & set(xx)):
+        pkg, en_desc = en[md5]
+        _, xx_desc = xx[md5]
+        en_short, en_long = split_description(en_desc)
+        xx_short, xx_long = split_description(xx_desc)
+        cands = [(en_short, xx_short)]
+        if len(en_long) == len(xx_long):
+            cands += list(zip(en_long, xx_long))
+        for s, t in cands:
+            if s and t and (s, t) not in seen and "\t" not in s + t:
+                seen.add((s, t))
+                pairs.append((s, t, pkg))
+    return pairs
+
+
+def package_family(pkg: str) -> str:
+    """Normalised name prefix: 'libfoo-dev', 'foo-doc', 'python3-foo' -> 'foo'."""
+    name = re.sub(r"^(lib|python3?-|ruby-|node-|golang-|r-cran-|php-|perl-|lib)", "", pkg.lower())
+    name = re.sub(r"[-.]?(dev|doc|dbg|data|common|utils?|tools|bin|dbgsym|\d+(\.\d+)*)$", "", name)
+    name = re.split(r"[-.+]", name)[0] or pkg
+    return re.sub(r"\d+$", "", name) or name
+
+
+def split_of(group: str, valid_pct: float, test_pct: float) -> str:
+    """Deterministic split from a hash of the group."""
+    h = int(hashlib.sha1(group.encode()).hexdigest()[:8], 16) % 10000 / 100.0
+    if h < test_pct:
+        return "test"
+    if h < test_pct + valid_pct:
+        return "valid"
+    return "train"
+
+
+# ------------------------------------------------------------------------------ steps
+def fetch_indexes(apt_dir: Path, lang: str) -> Tuple[str, str]:
+    """apt-get update into apt_dir; returns the English and <lang> index texts."""
+    lists = apt_dir / "lists"
+    if not list(lists.glob(f"*_i18n_Translation-{lang}*")):
+        (lists / "partial").mkdir(parents=True, exist_ok=True)
+        (apt_dir / "cache" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
+        cmd = ["apt-get", "-q", "-o", f"Dir::State::Lists={lists}", "-o", f"Dir::Cache={apt_dir / 'cache'}",
+               "-o", f"Acquire::Languages=en,{lang}", "update"]
+        print("    " + " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not list(lists.glob(f"*_i18n_Translation-{lang}*")):
+            shutil.rmtree(lists, ignore_errors=True)
+            raise SystemExit(
+                f"apt-get update could not fetch Debian's Translation-{lang} index "
+                f"(exit {proc.returncode}); is the archive reachable from this machine?\n"
+                f"{proc.stderr[-1500:]}")
+
+    def read(pattern):
+        texts = []
+        for f in sorted(lists.glob(pattern)):
+            if f.name.endswith((".lz4", ".gz", ".xz", ".bz2", ".zst")) and Path(APT_HELPER).exists():
+                texts.append(subprocess.run([APT_HELPER, "cat-file", str(f)], capture_output=True,
+                                            text=True, check=True).stdout)
+            else:
+                texts.append(f.read_text(errors="replace"))
+        return "\n\n".join(texts)
+
+    return read("*_i18n_Translation-en*"), read(f"*_i18n_Translation-{lang}*")
+
+
+def write_splits(pairs, raw: Path, lang: str, valid_pct: float, test_pct: float) -> Dict[str, int]:
+    raw.mkdir(parents=True, exist_ok=True)
+    buckets: Dict[str, List[Tuple[str, str]]] = {"train": [], "valid": [], "test": []}
+    for s, t, pkg in pairs:
+        buckets[split_of(package_family(pkg), valid_pct, test_pct)].append((s, t))
+    random.Random(1).shuffle(buckets["train"])
+    for split, rows in buckets.items():
+        (raw / f"{split}.en").write_text("".join(s + "\n" for s, _ in rows))
+        (raw / f"{split}.{lang}").write_text("".join(t + "\n" for _, t in rows))
+    return {k: len(v) for k, v in buckets.items()}
+
+
+def train_spm(raw: Path, spm_dir: Path, lang: str, vocab: int) -> Path:
+    import sentencepiece as spm
+
+    model = spm_dir / "spm.model"
+    if model.exists():
+        return model
+    spm_dir.mkdir(parents=True, exist_ok=True)
+    joint = spm_dir / "train.joint.txt"
+    joint.write_text((raw / "train.en").read_text() + (raw / f"train.{lang}").read_text())
+    spm.SentencePieceTrainer.train(
+        input=str(joint), model_prefix=str(spm_dir / "spm"), vocab_size=vocab, model_type="unigram",
+        character_coverage=1.0, input_sentence_size=2_000_000, shuffle_input_sentence=True,
+        bos_id=-1, eos_id=-1, pad_id=-1, unk_id=0, num_threads=2, minloglevel=2)
+    joint.unlink()
+    return model
+
+
+def encode(raw: Path, spm_dir: Path, model: Path, lang: str) -> None:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    for split in ("train", "valid", "test"):
+        for side in ("en", lang):
+            lines = (raw / f"{split}.{side}").read_text().splitlines()
+            out = spm_dir / f"{split}.{side}"
+            out.write_text("".join(" ".join(sp.encode(l, out_type=str)) + "\n" for l in lines))
+
+
+def preprocess(spm_dir: Path, bin_dir: Path, lang: str) -> None:
+    cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en", "--target-lang", lang,
+           "--trainpref", str(spm_dir / "train"), "--validpref", str(spm_dir / "valid"),
+           "--testpref", str(spm_dir / "test"), "--destdir", str(bin_dir), "--joined-dictionary",
+           "--workers", "2"]
+    print("    fairseq-preprocess ... --destdir " + str(bin_dir), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def main(argv: Iterable[str] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--lang", default="de", choices=LANGS, help="target language")
+    ap.add_argument("--out", type=Path, help="output folder (default data/debian-en<lang>)")
+    ap.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece vocabulary")
+    ap.add_argument("--valid-pct", type=float, default=2.0, help="%% of package families for valid")
+    ap.add_argument("--test-pct", type=float, default=3.0, help="%% of package families for test")
+    a = ap.parse_args(argv)
+    out = a.out or Path("data") / f"debian-en{a.lang}"
+    raw, spm_dir, bin_dir = out / "raw", out / "spm", out / "bin"
+    if not (raw / "test.en").exists():
+        print(f"=== [1/4] fetching Debian's English and {a.lang} description indexes", flush=True)
+        en_text, xx_text = fetch_indexes(out / "apt", a.lang)
+        print("=== [2/4] pairing descriptions and splitting by package family", flush=True)
+        pairs = pair_descriptions(descriptions(en_text, "en"), descriptions(xx_text, a.lang))
+        if not pairs:
+            raise SystemExit(f"no en-{a.lang} description pairs found in the fetched indexes")
+        counts = write_splits(pairs, raw, a.lang, a.valid_pct, a.test_pct)
+        print(f"    {sum(counts.values())} pairs: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    if not (spm_dir / f"test.{a.lang}").exists():
+        print(f"=== [3/4] joint sentencepiece model ({a.vocab} pieces) and encoding", flush=True)
+        model = train_spm(raw, spm_dir, a.lang, a.vocab)
+        encode(raw, spm_dir, model, a.lang)
+    if not (bin_dir / f"test.en-{a.lang}.{a.lang}.bin").exists():
+        print("=== [4/4] binarising", flush=True)
+        preprocess(spm_dir, bin_dir, a.lang)
+    print(f"data-bin: {bin_dir}")
+
+
+if __name__ == "__main__":
+    main()
