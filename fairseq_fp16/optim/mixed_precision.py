@@ -275,9 +275,7 @@ class Diagnostics:
     def from_cfg(cls, cfg, precision: str) -> Optional["Diagnostics"]:
         task = cfg.task
         trace = getattr(task, "scale_trace", None)
-        interval = int(getattr(task, "precision_stats_interval", 0) or 0)
-        if interval < 0:
-            raise ValueError(f"--precision-stats-interval must be >= 0 (0 = off), got {interval}")
+        interval = int(getattr(task, "precision_stats_interval", 0) or 0)  # validated by the task
         if not trace and not interval:
             return None
         stats_file = getattr(task, "precision_stats", None) or os.path.join(

@@ -13,6 +13,11 @@ What it adds to ``translation``:
   already in fairseq;
 * the loss-scaling flags ``--loss-scale`` and ``--loss-scale-hysteresis``,
   validated when the task is set up;
+* ``--half-matmul``: on CPUs without half-precision units, the train step,
+  valid step and generation run their matrix products with fp32 accumulation
+  (:mod:`fairseq_fp16.core.half_matmul`);
+* the diagnostics flags ``--scale-trace``, ``--precision-stats-interval`` and
+  ``--precision-stats`` (read by the mixed-precision optimizer);
 * ``fairseq-generate --bf16`` casts the models to bf16 (stock fairseq-generate
   only knows ``--fp16``).
 """
