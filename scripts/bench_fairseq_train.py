@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,8 +94,6 @@ def main():
     device = [] if a.cuda else ["--cpu"]
     from fairseq_fp16.core.half_matmul import cpu_has_native_half
     import torch
-
-    import statistics
 
     runs = {m: [] for m in modes}
     for _ in range(a.repeats):

@@ -67,9 +67,17 @@ _RECORD = re.compile(r"\| (train_inner|valid|train) \| (\{.*\})\s*$")
 
 
 def parse_json_log(path: Path):
-    """fairseq --log-format json output -> {'train_inner': [...], 'valid': [...], 'train': [...]}"""
+    """fairseq --log-format json output file -> records by tag (see parse_json_records)."""
+    return parse_json_records(path.read_text())
+
+
+def parse_json_records(text: str):
+    """fairseq --log-format json output -> {'train_inner': [...], 'valid': [...], 'train': [...]}
+
+    Values become numbers where they are; 'valid_'/'train_' key prefixes are dropped.
+    """
     out = {"train_inner": [], "valid": [], "train": []}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         m = _RECORD.search(line)
         if not m:
             continue

@@ -1,6 +1,5 @@
 """Shared fixtures: a tiny synthetic corpus and helpers that run the real CLIs."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+from compare import parse_json_records  # noqa: E402  (the comparison runner's log parser)
+
 BIN = Path(sys.executable).parent
 USER_DIR = str(ROOT / "fairseq_fp16")
 
@@ -53,24 +54,4 @@ def train(data, save_dir, *extra, user_dir=True, model=TINY_MODEL, check=True):
     if user_dir:
         args += ["--user-dir", USER_DIR]
     proc = run_cli("fairseq-train", args, check=check)
-    return proc, parse_log(proc.stdout + proc.stderr, "train_inner")
-
-
-def parse_log(text, tag):
-    records = []
-    for line in text.splitlines():
-        if f"| {tag} |" in line:
-            payload = line.split(f"| {tag} | ", 1)[1]
-            try:
-                rec = json.loads(payload)
-            except json.JSONDecodeError:
-                continue
-            records.append({k: _num(v) for k, v in rec.items()})
-    return records
-
-
-def _num(v):
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return v
+    return proc, parse_json_records(proc.stdout + proc.stderr)["train_inner"]

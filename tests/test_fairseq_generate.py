@@ -1,7 +1,6 @@
 """fairseq-generate on the plugin's checkpoints, in fp32, --fp16 and --bf16."""
 
 import re
-import zipfile
 
 import pytest
 import torch

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import parse_log, run_cli, train
+from conftest import train
 
 pytestmark = pytest.mark.slow
 
