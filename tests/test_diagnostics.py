@@ -8,7 +8,12 @@ import torch
 from omegaconf import OmegaConf
 
 import fairseq_fp16  # noqa: F401  (registers fp16_adam)
-from fairseq_fp16.core.diagnostics import LostUpdateMonitor, attribute_overflow, gradient_precision_stats
+from fairseq_fp16.core.diagnostics import (
+    LostUpdateMonitor,
+    NonFiniteWatch,
+    attribute_overflow,
+    gradient_precision_stats,
+)
 from fairseq_fp16.core.host_sync import HostSyncCounter
 from fairseq_fp16.core.master_weights import tag_param_names
 from fairseq_fp16.optim.mixed_precision import MixedPrecisionFairseqOptimizer
@@ -63,6 +68,27 @@ def test_lost_update_fraction():
     # fp16 ulp: 2^-10 at 1.0, 0.5 at 1000; half an ulp is the rounding threshold
     w.data += torch.tensor([2**-12, 2**-9, 0.2, 0.3, 0.0])
     assert mon.after_step() == {"m": pytest.approx(2 / 4)}  # 2^-12 and 0.2 lost; 0 not counted
+
+
+def test_non_finite_watch_names_the_first_module_only_while_armed():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    with torch.no_grad():
+        model[1][0].weight.fill_(float("inf"))
+    watch = NonFiniteWatch(model)
+    model(torch.ones(2, 4))
+    assert watch.first is None  # disarmed: no checks, no syncs
+    watch.arm()
+    with HostSyncCounter() as c:
+        model(torch.ones(2, 4))
+    assert watch.first == {"module": "1.0", "type": "Linear", "dtype": "float32", "kind": "nan", "shape": [2, 4]}
+    assert c.count >= 2  # the checks sync, but only while armed
+    watch.disarm()
+    assert watch.first is None
+    watch.remove()
+    watch.arm()
+    model(torch.ones(2, 4))
+    assert watch.first is None  # hooks removed
 
 
 def fairseq_cfg(**task):

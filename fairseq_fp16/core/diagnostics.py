@@ -12,6 +12,9 @@
   that would vanish if the weights were kept in half precision (the reason the
   recipe keeps fp32 masters; Micikevicius et al., *Mixed Precision Training*,
   2018).
+* :class:`NonFiniteWatch` finds the first module whose forward output holds
+  inf/nan, with forward hooks that check only while armed (after a step that
+  overflowed), so a healthy run pays nothing.
 
 Layers are parameter names without their last component
 (``decoder.layers.0.fc1.weight`` -> ``decoder.layers.0.fc1``).
@@ -32,6 +35,7 @@ __all__ = [
     "gradient_precision_stats",
     "LostUpdateMonitor",
     "layer_of",
+    "NonFiniteWatch",
 ]
 
 
@@ -142,3 +146,69 @@ class LostUpdateMonitor:
             return {}
         sums = torch.stack([torch.stack(v).sum(0) for v in groups.values()]).tolist()  # one sync
         return {layer: (lost / moved if moved else 0.0) for layer, (lost, moved) in zip(groups, sums)}
+
+
+def _float_tensors(out) -> List[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _float_tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _float_tensors(o)]
+    return []
+
+
+class NonFiniteWatch:
+    """Names the first module whose forward output is not finite.
+
+    Forward hooks on every submodule of ``model``. Disarmed (the default) a
+    hook returns at once; armed, each hook checks its module's floating-point
+    outputs (one host sync per module) until the first non-finite one, which
+    is recorded in :attr:`first` as ``{"module", "type", "dtype", "kind",
+    "shape"}``. Hooks fire when a module's forward returns, so inner modules
+    are seen before the blocks that contain them.
+
+    The optimizer arms the watch after an update that overflowed and disarms
+    it after a finite one; :meth:`remove` takes the hooks off.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.armed = False
+        self.first: Dict | None = None
+        self._handles = [
+            module.register_forward_hook(self._hook(name, module))
+            for name, module in model.named_modules()
+            if name
+        ]
+
+    def _hook(self, name: str, module: torch.nn.Module):
+        def hook(_module, _inputs, output):
+            if not self.armed or self.first is not None:
+                return
+            for t in _float_tensors(output):
+                bad = ~torch.isfinite(t.detach())
+                if bool(bad.any()):  # host sync, only while armed
+                    self.first = {
+                        "module": name,
+                        "type": type(module).__name__,
+                        "dtype": str(t.dtype).replace("torch.", ""),
+                        "kind": "nan" if bool(torch.isnan(t.detach()).any()) else "inf",
+                        "shape": list(t.shape),
+                    }
+                    return
+
+        return hook
+
+    def arm(self) -> None:
+        """Check the next forward passes; forget the previous finding."""
+        self.armed = True
+        self.first = None
+
+    def disarm(self) -> None:
+        self.armed = False
+        self.first = None
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -10,8 +10,12 @@ fairseq stores in checkpoints the same, so an fp32 checkpoint resumes under
 
 Overflow protocol (fairseq's): :meth:`clip_grad_norm` raises
 ``OverflowError`` when the gradients overflowed (the trainer skips the
-update) and ``FloatingPointError`` when the scale reached ``--min-loss-scale``
-(the trainer stops).
+update) and ``FloatingPointError`` when the run cannot heal (the trainer
+stops): the scale reached ``--min-loss-scale``, or ``--max-consecutive-overflows``
+updates in a row were skipped. The second message names the first module whose
+forward output was not finite (:class:`~fairseq_fp16.core.diagnostics.NonFiniteWatch`,
+armed only after an overflow) or, when the forward pass was finite, the
+parameters whose gradients overflowed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Any, Dict, Optional
 
 import torch
@@ -26,7 +31,12 @@ from fairseq import optim
 from fairseq.logging import metrics
 from fairseq.optim import FairseqOptimizer
 
-from ..core.diagnostics import LostUpdateMonitor, attribute_overflow, gradient_precision_stats
+from ..core.diagnostics import (
+    LostUpdateMonitor,
+    NonFiniteWatch,
+    attribute_overflow,
+    gradient_precision_stats,
+)
 from ..core.loss_scaler import LossScaler, parse_loss_scale
 from ..core.master_weights import MixedPrecisionOptimizer
 
@@ -111,6 +121,12 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         self.num_skipped = 0  # updates skipped for overflow (host-side count)
         self._params = params
         self.diagnostics = None
+        self.consecutive_overflows = 0  # skipped updates in a row (host-side)
+        self.max_consecutive_overflows = int(
+            getattr(cfg.task, "max_consecutive_overflows", 0) or 0)
+        self.watch: Optional[NonFiniteWatch] = None
+        self._losses = []  # this update's losses, read only on an overflow
+        self.stop_error: Optional[FloatingPointError] = None  # why the run stopped
         if precision == "fp32":
             self.inner = optim.build_optimizer(cfg.optimizer, params)
             self.core: Optional[MixedPrecisionOptimizer] = None
@@ -143,11 +159,17 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
     def supports_flat_params(self):
         return False
 
+    def watch_forward(self, model: torch.nn.Module) -> None:
+        """Hook ``model`` so that a run that cannot heal names its first non-finite module."""
+        if self.core is not None and self.max_consecutive_overflows and self.watch is None:
+            self.watch = NonFiniteWatch(model)
+
     # ------------------------------------------------------------- training
     def backward(self, loss):
         if self.core is None:
             self.inner.backward(loss)
         else:
+            self._losses.append(loss.detach())
             self.core.backward(loss)
 
     def multiply_grads(self, c):
@@ -179,14 +201,53 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             self._log_counters()
             if diag is not None:
                 diag.trace(self, grad_norm, overflow=True, culprits=culprits)
-            self.loss_scaler.check_min_scale()  # FloatingPointError stops the run
+            try:
+                self.loss_scaler.check_min_scale()  # FloatingPointError stops the run
+                self._count_overflow(culprits)
+            except FloatingPointError as e:
+                self.stop_error = e  # the trainer hook re-raises it if fairseq's re-run fails
+                raise
             raise OverflowError(f"setting loss scale to: {self.loss_scaler.loss_scale:.12g}")
+        self.consecutive_overflows = 0
+        if self.watch is not None:
+            self.watch.disarm()
         self._log_counters()
         if diag is not None:
             diag.pending_norm = grad_norm
             if diag.stats_due():
                 diag.measure_gradients(self)
         return grad_norm
+
+    def _count_overflow(self, culprits) -> None:
+        """Arm the forward watch; stop after ``--max-consecutive-overflows`` in a row."""
+        self.consecutive_overflows += 1
+        limit = self.max_consecutive_overflows
+        if self.watch is not None and not self.watch.armed:
+            self.watch.arm()
+        if not limit or self.consecutive_overflows < limit:
+            return
+        loss_finite = all(bool(torch.isfinite(t).all()) for t in self._losses)
+        first = self.watch.first if self.watch is not None else None
+        if first is not None:
+            cause = (
+                f"the forward pass is not finite: first {first['kind']} in the output of "
+                f"{first['module']} ({first['type']}, {first['dtype']}), which loss scaling cannot "
+                f"fix; keep it in fp32 (--fp32-modules '{re.escape(first['module'])}'), try "
+                "--bf16, lower --lr, or check the input data"
+            )
+        elif not loss_finite:
+            cause = ("the forward pass is finite up to the model's output but the loss is not: "
+                     "check the criterion and the batch (empty or corrupt targets)")
+        else:
+            names = ", ".join(c["param"] for c in culprits) or "?"
+            cause = (f"the forward pass and loss are finite; gradients overflow in: {names}; "
+                     "lower --lr, clip with --clip-norm, or keep those modules in fp32 "
+                     "(--fp32-modules)")
+        raise FloatingPointError(
+            f"fairseq_fp16: {self.consecutive_overflows} consecutive updates skipped for "
+            f"non-finite gradients (--max-consecutive-overflows {limit}); the loss scale backed "
+            f"off to {self.loss_scaler.loss_scale:.6g} without recovering: {cause}"
+        )
 
     def _log_counters(self) -> None:
         metrics.log_scalar("skipped", self.num_skipped, priority=710, round=0, weight=0)
@@ -209,6 +270,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
 
     def zero_grad(self):
         self.overflow_pending = False
+        self._losses = []
         if self.core is None:
             self.inner.zero_grad()
         else:
@@ -222,6 +284,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         state = self.core.state_dict()
         state["precision"] = self.precision
         state["num_skipped"] = self.num_skipped
+        state["consecutive_overflows"] = self.consecutive_overflows
         return state
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
@@ -229,6 +292,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         if "precision" not in state_dict:  # a plain optimizer state
             state_dict = {"precision": "fp32", "optimizer": state_dict}
         self.num_skipped = int(state_dict.get("num_skipped", 0))
+        self.consecutive_overflows = int(state_dict.get("consecutive_overflows", 0))
         masters = state_dict.get("master_params") or {}
         if self.core is None:
             self.inner.load_state_dict(state_dict["optimizer"], optimizer_overrides)
