@@ -1,4 +1,4 @@
-"""The plugin's single seam into fairseq's trainer.
+"""The plugin's single seam into fairseq: its trainer and its checkpoint files.
 
 :func:`install` (run when the plugin is imported; idempotent) replaces three
 methods of ``fairseq.trainer.Trainer``, keeping the originals:
@@ -23,7 +23,31 @@ methods of ``fairseq.trainer.Trainer``, keeping the originals:
     fails off CUDA. When our optimizer reported the overflow and the trainer
     is not on CUDA, that error is caught and the handler's remaining work
     (zero the gradients, log the scale, stop the ``train_wall`` timer) is
-    done here; the update is skipped exactly as on a GPU.
+    done here; the update is skipped exactly as on a GPU. When the optimizer
+    stops the run (``FloatingPointError``), fairseq re-runs the batch under
+    its ``NanDetector``, whose backward hooks fail on the transformer's dict
+    outputs with torch 2.x (``StopIteration``); the optimizer's own error,
+    which says why the run stopped, is re-raised instead.
+
+In ``fairseq.checkpoint_utils`` it replaces two names:
+
+``PathManager`` (the copies of ``save_checkpoint``)
+    fairseq writes the first checkpoint file atomically (``.tmp``, then
+    rename) but *copies* it to ``checkpoint_last.pt``/``checkpoint_best.pt``
+    in place, so a crash during the copy leaves a truncated
+    ``checkpoint_last.pt`` that the next launch fails to resume from. The
+    module's ``PathManager`` becomes a proxy whose ``copy`` writes a ``.tmp``
+    file and renames it (local paths; other paths and calls delegate).
+
+``load_checkpoint_to_cpu``
+    (train resume and ``fairseq-generate``'s model loading) turns torch's
+    errors into messages that name the file and what to do: a truncated or
+    corrupt file, or a pickled global outside the allow-list of
+    :mod:`fairseq_fp16.safe_load` (refused by weights-only loading, never run).
+
+And ``fairseq.options.parse_args_and_arch``: ``--fp16 --bf16`` together is
+refused by argparse's ``parser.error`` naming both flags (fairseq itself
+turns ``--bf16`` into ``--tpu`` first and then complains about ``--tpu``).
 
 :func:`check_fairseq_internals` checks the statements of fairseq's source
 these replacements rely on; :func:`install` calls it and fails loudly if
@@ -34,14 +58,21 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import pickle
+import re
+import shutil
 import sys
 from itertools import chain
 from typing import Callable, Dict
 
+from fairseq import checkpoint_utils, options
 from fairseq import trainer as fairseq_trainer
+from fairseq.file_io import PathManager
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 
+from . import safe_load
 from .core.master_weights import tag_param_names
 from .optim.mixed_precision import MixedPrecisionFairseqOptimizer, precision_of
 
@@ -68,6 +99,11 @@ EXPECTED_SOURCE = {
     ],
     "state_dict": ['"optimizer_name": self.optimizer.__class__.__name__'],
 }
+#: Statements of fairseq 0.12's checkpoint_utils that the wrappers depend on.
+EXPECTED_CHECKPOINT_SOURCE = {
+    "save_checkpoint": ["PathManager.copy(", "trainer.save_checkpoint(checkpoints[0], extra_state)"],
+    "load_checkpoint_to_cpu": ["torch.load(f, map_location=torch.device(\"cpu\"))"],
+}
 
 
 def check_fairseq_internals(trainer_cls=None) -> None:
@@ -77,13 +113,22 @@ def check_fairseq_internals(trainer_cls=None) -> None:
         fn = _ORIGINALS.get(name) or getattr(cls, name, None)
         if fn is None:
             raise RuntimeError(f"fairseq_fp16: fairseq.trainer.Trainer has no {name}()")
-        src = inspect.getsource(inspect.unwrap(fn))
-        for needle in needles:
-            if needle not in src:
-                raise RuntimeError(
-                    f"fairseq_fp16: fairseq.trainer.Trainer.{name} changed "
-                    f"({needle!r} not found); this plugin supports fairseq 0.12"
-                )
+        _check_source(f"fairseq.trainer.Trainer.{name}", fn, needles)
+    for name, needles in EXPECTED_CHECKPOINT_SOURCE.items():
+        fn = _ORIGINALS.get(name) or getattr(checkpoint_utils, name, None)
+        if fn is None:
+            raise RuntimeError(f"fairseq_fp16: fairseq.checkpoint_utils has no {name}()")
+        _check_source(f"fairseq.checkpoint_utils.{name}", fn, needles)
+
+
+def _check_source(qualname: str, fn: Callable, needles) -> None:
+    src = inspect.getsource(inspect.unwrap(fn))
+    for needle in needles:
+        if needle not in src:
+            raise RuntimeError(
+                f"fairseq_fp16: {qualname} changed ({needle!r} not found); "
+                "this plugin supports fairseq 0.12"
+            )
 
 
 def _plugin_optimizer_applies(cfg) -> bool:
@@ -124,6 +169,7 @@ def _build_optimizer(self):
     self._optimizer = MixedPrecisionFairseqOptimizer(
         self.cfg, [p for _, p in named], precision_of(self.cfg)
     )
+    self._optimizer.watch_forward(self._model)
     self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler, self.optimizer)
     self._lr_scheduler.step_update(0)
 
@@ -131,8 +177,16 @@ def _build_optimizer(self):
 def _train_step(self, samples, raise_oom=False):
     try:
         return _ORIGINALS["train_step"](self, samples, raise_oom)
-    except (AssertionError, RuntimeError):
+    except Exception as e:
         opt = self._optimizer
+        stop = getattr(opt, "stop_error", None)
+        if stop is not None:
+            if e is not stop:  # fairseq's NanDetector re-run of the batch failed
+                logger.warning("fairseq's NanDetector re-run failed (%s: %s); the reason the "
+                               "run stopped is:", type(e).__name__, e)
+            raise stop from None
+        if not isinstance(e, (AssertionError, RuntimeError)):
+            raise
         if self.cuda or not getattr(opt, "overflow_pending", False):
             raise
     # fairseq's OverflowError handler failed at torch.tensor(0.0).cuda();
@@ -150,6 +204,89 @@ def _train_step(self, samples, raise_oom=False):
 _REPLACEMENTS = {"__init__": _init, "_build_optimizer": _build_optimizer, "train_step": _train_step}
 
 
+# ------------------------------------------------------------------ checkpoints
+def atomic_copy(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` through ``dst.tmp`` and a rename: ``dst`` is old or whole."""
+    tmp = dst + ".tmp"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+class _AtomicCopyPathManager:
+    """fairseq's ``PathManager`` with an atomic ``copy`` for local files."""
+
+    def __getattr__(self, name):
+        return getattr(PathManager, name)
+
+    @staticmethod
+    def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+        if "://" in src_path or "://" in dst_path:  # a remote store: fairseq's copy
+            return PathManager.copy(src_path, dst_path, overwrite=overwrite)
+        if os.path.exists(dst_path) and not overwrite:
+            return False
+        atomic_copy(src_path, dst_path)
+        return True
+
+
+_UNSAFE_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|Unsupported global: GLOBAL ([\w.]+)")
+
+
+def describe_load_error(path: str, err: BaseException) -> str:
+    """What went wrong loading checkpoint ``path``, and what to do."""
+    text = str(err)
+    if isinstance(err, pickle.UnpicklingError) and "GLOBAL" in text:
+        m = _UNSAFE_GLOBAL.search(text)
+        name = (m.group(1) or m.group(2)) if m else "?"
+        allowed = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in safe_load.FAIRSEQ_CHECKPOINT_GLOBALS)
+        return (
+            f"fairseq_fp16: refused to load checkpoint {path}: it holds the pickled global "
+            f"{name}, outside the allow-list of fairseq checkpoints ({allowed}); weights-only "
+            "loading stopped before running anything. fairseq-train never writes such a "
+            "global: the file was made or altered by another program"
+        )
+    others = []
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        others = sorted(  # newest first
+            (f for f in os.listdir(folder)
+             if f.endswith(".pt") and os.path.join(folder, f) != os.path.abspath(path)),
+            key=lambda f: -os.path.getmtime(os.path.join(folder, f)),
+        )
+    hint = (f"other checkpoints in {folder}: {', '.join(others)} (resume from one with "
+            "--restore-file), or move the file away to start over") if others else \
+        "move the file away to start over"
+    first_line = text.strip().splitlines()[0].split(". ")[0][:200] if text.strip() else ""
+    return (
+        f"fairseq_fp16: checkpoint {path} is truncated or corrupt "
+        f"({type(err).__name__}: {first_line}); nothing was loaded or overwritten; {hint}"
+    )
+
+
+def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+    try:
+        return _ORIGINALS["load_checkpoint_to_cpu"](path, arg_overrides, load_on_all_ranks)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not any(
+            k in str(e) for k in ("PytorchStreamReader", "zip archive", "unexpected EOF")
+        ):
+            raise
+        raise RuntimeError(describe_load_error(str(path), e)) from e
+
+
+_CHECKPOINT_REPLACEMENTS = {"load_checkpoint_to_cpu": _load_checkpoint_to_cpu}
+
+
+# --------------------------------------------------------------------- options
+EXCLUSIVE_FLAGS = ("--fp16", "--bf16")
+
+
+def _parse_args_and_arch(parser, input_args=None, *args, **kwargs):
+    argv = sys.argv[1:] if input_args is None else list(input_args)
+    if all(flag in argv for flag in EXCLUSIVE_FLAGS):
+        parser.error("--fp16 and --bf16 are exclusive: pick one precision (fairseq_fp16)")
+    return _ORIGINALS["parse_args_and_arch"](parser, input_args, *args, **kwargs)
+
+
 def is_installed() -> bool:
     return bool(getattr(fairseq_trainer.Trainer, _MARK, False))
 
@@ -163,6 +300,13 @@ def install() -> None:
     for name, fn in _REPLACEMENTS.items():
         _ORIGINALS[name] = getattr(cls, name)
         setattr(cls, name, fn)
+    for name, fn in _CHECKPOINT_REPLACEMENTS.items():
+        _ORIGINALS[name] = getattr(checkpoint_utils, name)
+        setattr(checkpoint_utils, name, fn)
+    _ORIGINALS["PathManager"] = checkpoint_utils.PathManager
+    checkpoint_utils.PathManager = _AtomicCopyPathManager()
+    _ORIGINALS["parse_args_and_arch"] = options.parse_args_and_arch
+    options.parse_args_and_arch = _parse_args_and_arch
     setattr(cls, _MARK, True)
 
 
@@ -173,4 +317,8 @@ def uninstall() -> None:
         return
     for name in _REPLACEMENTS:
         setattr(cls, name, _ORIGINALS[name])
+    for name in _CHECKPOINT_REPLACEMENTS:
+        setattr(checkpoint_utils, name, _ORIGINALS[name])
+    checkpoint_utils.PathManager = _ORIGINALS["PathManager"]
+    options.parse_args_and_arch = _ORIGINALS["parse_args_and_arch"]
     delattr(cls, _MARK)

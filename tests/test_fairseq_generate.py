@@ -84,4 +84,7 @@ def test_checkpoint_with_code_payload_is_refused_without_running_it(toy_data, fp
     proc, hyps, _ = generate(toy_data, bad, "--results-path", tmp_path / "res")
     assert proc.returncode != 0 and "Weights only load failed" in proc.stderr
     assert "unsupported GLOBAL posix.system" in proc.stderr
+    assert re.search(r"fairseq_fp16: refused to load checkpoint \S+bad\.pt: it holds the pickled global "
+                     r"posix\.system, outside the allow-list of fairseq checkpoints \(argparse\.Namespace\); "
+                     r"weights-only loading stopped before running anything", proc.stderr), proc.stderr[-1500:]
     assert not marker.exists() and not hyps

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 import fairseq_fp16  # noqa: F401  (installs the hook)
+from fairseq import checkpoint_utils, options
 from fairseq import trainer as fairseq_trainer
 from fairseq_fp16 import trainer_hook
 
@@ -20,10 +21,25 @@ def test_install_is_idempotent_and_uninstall_restores_fairseq():
     try:
         assert cls._build_optimizer is trainer_hook._ORIGINALS["_build_optimizer"]
         assert cls.train_step is trainer_hook._ORIGINALS["train_step"]
+        for module, name in [(checkpoint_utils, "load_checkpoint_to_cpu"), (checkpoint_utils, "PathManager"),
+                             (options, "parse_args_and_arch")]:
+            assert getattr(module, name) is trainer_hook._ORIGINALS[name], name
         assert not trainer_hook.is_installed()
     finally:
         trainer_hook.install()
     assert cls._build_optimizer is ours
+    assert checkpoint_utils.PathManager.copy is trainer_hook._AtomicCopyPathManager.copy
+    assert options.parse_args_and_arch is trainer_hook._parse_args_and_arch
+
+
+def test_atomic_copy_replaces_the_destination_whole(tmp_path):
+    src, dst = tmp_path / "a.pt", tmp_path / "checkpoint_last.pt"
+    src.write_bytes(b"new" * 1000)
+    dst.write_bytes(b"old")
+    assert checkpoint_utils.PathManager.copy(str(src), str(dst), overwrite=True)
+    assert dst.read_bytes() == b"new" * 1000 and not (tmp_path / "checkpoint_last.pt.tmp").exists()
+    assert not checkpoint_utils.PathManager.copy(str(src), str(dst), overwrite=False)
+    assert checkpoint_utils.PathManager.isfile(str(dst))  # everything else delegates
 
 
 def test_fairseq_internals_are_as_expected():
