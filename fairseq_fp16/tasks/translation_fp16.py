@@ -12,24 +12,34 @@ What it adds to ``translation``:
   the output log-softmax (``utils.log_softmax``) and the criterion are fp32
   already in fairseq;
 * the loss-scaling flags ``--loss-scale`` and ``--loss-scale-hysteresis``,
-  validated when the task is set up;
+  validated when the task is set up, and ``--max-consecutive-overflows``
+  (stop a run that cannot heal, naming the first non-finite module);
 * ``--half-matmul``: on CPUs without half-precision units, the train step,
   valid step and generation run their matrix products with fp32 accumulation
   (:mod:`fairseq_fp16.core.half_matmul`);
 * the diagnostics flags ``--scale-trace``, ``--precision-stats-interval`` and
   ``--precision-stats`` (read by the mixed-precision optimizer);
 * ``fairseq-generate --bf16`` casts the models to bf16 (stock fairseq-generate
-  only knows ``--fp16``).
+  only knows ``--fp16``);
+* resume reproducibility: fairseq(-fixed) 0.12.3 orders the examples under
+  ``numpy_seed(seed + epoch)`` with the epoch in which the batch iterator is
+  *created*, and reuses those batches for every later epoch. An uninterrupted
+  run creates it in epoch 1; a run resumed in epoch 2 or later re-creates it
+  with another seed and trains on differently composed batches. This task
+  always orders the examples with the epoch-1 seed, so a resumed run sees the
+  batches the uninterrupted run would have seen.
 """
 
 
 import logging
 import re
 from dataclasses import dataclass, field
+from functools import wraps
 from typing import Optional
 
 import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.data import data_utils
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
@@ -57,6 +67,14 @@ class TranslationFP16Config(TranslationConfig):
     loss_scale_hysteresis: int = field(
         default=1,
         metadata={"help": "overflows absorbed before the dynamic scale backs off (1 = every one)"},
+    )
+    max_consecutive_overflows: int = field(
+        default=10,
+        metadata={
+            "help": "stop the run, naming the first module whose forward output is not finite, "
+            "after this many updates in a row were skipped for non-finite gradients "
+            "(0 = never; --min-loss-scale still applies)"
+        },
     )
     fp32_modules: Optional[str] = field(
         default=None,
@@ -107,6 +125,11 @@ def validate_precision_flags(cfg) -> None:
         raise ValueError(
             "--loss-scale-hysteresis must be an integer >= 1 (1 backs off at every "
             f"overflow), got {cfg.loss_scale_hysteresis!r}"
+        )
+    if cfg.max_consecutive_overflows is None or int(cfg.max_consecutive_overflows) < 0:
+        raise ValueError(
+            "--max-consecutive-overflows must be an integer >= 0 (0 = never stop), "
+            f"got {cfg.max_consecutive_overflows!r}"
         )
     if cfg.fp32_modules:
         try:
@@ -171,6 +194,28 @@ class TranslationFP16Task(TranslationTask):
     def inference_step(self, *args, **kwargs):
         with half_matmul_context(self.fp32_accumulate):
             return super().inference_step(*args, **kwargs)
+
+    def get_batch_iterator(self, dataset, *args, **kwargs):
+        """fairseq's iterator, with examples ordered as in epoch 1 (see the module docstring)."""
+        if getattr(self.cfg, "rebuild_batches", False):  # batches re-made every epoch by design
+            return super().get_batch_iterator(dataset, *args, **kwargs)
+        seed = kwargs.get("seed", args[5] if len(args) > 5 else 1)
+        ordered_indices = dataset.ordered_indices
+        own = vars(dataset).get("ordered_indices")
+
+        @wraps(ordered_indices)
+        def first_epoch_order():
+            with data_utils.numpy_seed(seed + 1):
+                return ordered_indices()
+
+        dataset.ordered_indices = first_epoch_order
+        try:
+            return super().get_batch_iterator(dataset, *args, **kwargs)
+        finally:
+            if own is None:
+                del dataset.ordered_indices
+            else:
+                dataset.ordered_indices = own
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
