@@ -1,12 +1,13 @@
 # make install: .venv with torch (CPU pin first), fairseq-fixed and this project.
 # make test:    the test suite.   make demo: the fp32/fp16/bf16 side-by-side run.
+# make soak:    the long reliability run (2,000 fp16 updates with injected overflows).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 FAIRSEQ_PIN := fairseq-fixed==0.12.3.1
 
-.PHONY: install test demo clean
+.PHONY: install test soak demo clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +25,9 @@ $(VENV)/.installed: setup.py Makefile
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+soak: install
+	$(BIN)/python -m pytest -q -s -m soak tests
 
 demo: install
 	$(BIN)/python scripts/demo.py

@@ -7,6 +7,9 @@ from conftest import train
 pytestmark = pytest.mark.slow
 
 CASES = [
+    (["--fp16", "--bf16"], r"fairseq-train: error: --fp16 and --bf16 are exclusive: pick one precision"),
+    (["--fp16", "--max-consecutive-overflows", "-1"],
+     r"--max-consecutive-overflows must be an integer >= 0 \(0 = never stop\), got -1"),
     (["--fp16", "--loss-scale", "-4"], r"--loss-scale must be 0 \(dynamic\) or a positive power of two"),
     (["--fp16", "--loss-scale", "100"], r"--loss-scale must be 0 \(dynamic\) or a positive power of two .*got '100'"),
     (["--fp16", "--loss-scale", "abc"], r"--loss-scale must be 0 \(dynamic\) or a positive power of two.*got 'abc'"),
@@ -37,3 +40,10 @@ def test_fp32_modules_matching_nothing_warns(toy_data, tmp_path):
 def test_fp32_modules_matching_reports_them(toy_data, tmp_path):
     proc, _ = train(toy_data, tmp_path, "--fp16", "--fp32-modules", r"decoder\.output_projection", "--max-update", "2")
     assert "fp32 modules (--fp32-modules): decoder.output_projection" in proc.stdout + proc.stderr
+
+
+def test_static_scale_with_bf16_warns_that_it_is_not_needed(toy_data, tmp_path):
+    proc, recs = train(toy_data, tmp_path, "--bf16", "--loss-scale", "8", "--max-update", "2", "--no-save")
+    assert ("--loss-scale 8 with --bf16: bf16 has fp32's exponent range and needs no loss scaling"
+            in proc.stdout + proc.stderr)
+    assert [r["loss_scale"] for r in recs] == [8.0, 8.0]

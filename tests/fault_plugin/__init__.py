@@ -1,0 +1,106 @@
+"""A --user-dir for the reliability tests: the plugin plus faults injected on purpose.
+
+``--user-dir tests/fault_plugin`` loads fairseq_fp16 (everything it registers)
+and adds the criterion ``faulty_label_smoothed_cross_entropy``:
+
+* ``--fault nan-loss``: the loss of the training forward is NaN;
+* ``--fault grad-overflow``: the loss is multiplied by 2^100 (finite in fp32,
+  but its gradients overflow fp16);
+* ``--fault scale-module --fault-module NAME --fault-factor F``: the weights of
+  module NAME are multiplied by F once (a corruption that persists);
+
+at training forward number ``--fault-at`` (1-based), then every
+``--fault-every`` forwards (0 = once).
+
+Environment ``FAULT_KILL_IN_COPY=N``: SIGKILL this process half-way through
+the N-th copy of a checkpoint to ``checkpoint_last.pt``.
+``FAULT_STOCK_COPY=1``: copy checkpoints with fairseq's own in-place copy
+(what stock fairseq does), to show what the plugin's atomic copy prevents.
+"""
+
+import os
+import shutil
+import signal
+from dataclasses import dataclass, field
+
+import torch
+from fairseq import checkpoint_utils
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+
+import fairseq_fp16  # noqa: F401  (registers the plugin; installs its hook)
+from fairseq_fp16 import trainer_hook
+
+
+@dataclass
+class FaultyConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    fault: str = field(default="none", metadata={"help": "nan-loss, grad-overflow or scale-module"})
+    fault_at: int = field(default=0, metadata={"help": "training forward number of the first fault"})
+    fault_every: int = field(default=0, metadata={"help": "repeat every N forwards (0 = once)"})
+    fault_module: str = field(default="", metadata={"help": "module for scale-module"})
+    fault_factor: float = field(default=1e5, metadata={"help": "weight factor for scale-module"})
+
+
+@register_criterion("faulty_label_smoothed_cross_entropy", dataclass=FaultyConfig)
+class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
+                 report_accuracy=False, fault="none", fault_at=0, fault_every=0,
+                 fault_module="", fault_factor=1e5):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.fault, self.fault_at, self.fault_every = fault, fault_at, fault_every
+        self.fault_module, self.fault_factor = fault_module, fault_factor
+        self.forwards = 0
+
+    def _due(self) -> bool:
+        n = self.forwards
+        if self.fault == "none" or self.fault_at <= 0 or n < self.fault_at:
+            return False
+        if n == self.fault_at:
+            return True
+        return self.fault_every > 0 and (n - self.fault_at) % self.fault_every == 0
+
+    def forward(self, model, sample, reduce=True):
+        due = False
+        if model.training:
+            self.forwards += 1
+            due = self._due()
+        if due and self.fault == "scale-module":
+            module = dict(model.named_modules())[self.fault_module]
+            with torch.no_grad():
+                module.weight.mul_(self.fault_factor)
+        loss, sample_size, logging_output = super().forward(model, sample, reduce)
+        if due and self.fault == "nan-loss":
+            loss = loss * float("nan")
+        elif due and self.fault == "grad-overflow":
+            loss = loss * 2.0**100
+        return loss, sample_size, logging_output
+
+
+def _install_copy_faults() -> None:
+    if os.environ.get("FAULT_STOCK_COPY") == "1":
+        checkpoint_utils.PathManager = trainer_hook._ORIGINALS["PathManager"]
+    kill_at = int(os.environ.get("FAULT_KILL_IN_COPY", "0"))
+    if not kill_at:
+        return
+    real_copyfile = shutil.copyfile
+    seen = {"n": 0}
+
+    def copyfile(src, dst, *args, **kwargs):
+        if os.path.basename(dst).startswith("checkpoint_last.pt"):
+            seen["n"] += 1
+            if seen["n"] == kill_at:
+                with open(src, "rb") as f:
+                    data = f.read()
+                with open(dst, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real_copyfile(src, dst, *args, **kwargs)
+
+    shutil.copyfile = copyfile
+
+
+_install_copy_faults()
