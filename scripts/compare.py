@@ -119,6 +119,21 @@ def read_generate_output(path: Path):
     return [hyps[i] for i in ids], [refs[i] for i in ids]
 
 
+def read_sources(path: Path):
+    """Source sentences (S- lines) in sentence-id order."""
+    srcs = {}
+    for line in path.read_text().splitlines():
+        head, _, rest = line.partition("\t")
+        if head.startswith("S-"):
+            srcs[int(head[2:])] = rest
+    return [srcs[i] for i in sorted(srcs)]
+
+
+def short_ids(sources, max_words: int):
+    """Indices of the sentences whose source has at most ``max_words`` words."""
+    return [i for i, s in enumerate(sources) if len(s.split()) <= max_words]
+
+
 def score(hyps, refs) -> dict:
     from sacrebleu.metrics import BLEU, CHRF
 
@@ -164,6 +179,12 @@ def run_mode(mode: str, a, out: Path) -> dict:
     scores = score(hyps, refs)
     print(f"   [{mode}] BLEU {scores['bleu']}  chrF {scores['chrf']}  ({len(hyps)} sentences)",
           flush=True)
+    if a.short_max_words:
+        ids = short_ids(read_sources(gen_dir / f"generate-{a.gen_subset}.txt"), a.short_max_words)
+        scores["short"] = {"max_words": a.short_max_words, "n_sentences": len(ids),
+                           **score([hyps[i] for i in ids], [refs[i] for i in ids])}
+        print(f"   [{mode}] sources of <= {a.short_max_words} words: BLEU {scores['short']['bleu']}  "
+              f"chrF {scores['short']['chrf']}  ({len(ids)} sentences)", flush=True)
 
     updates = int(inner[-1]["num_updates"])
     # fairseq's per-interval rates; the first interval includes start-up, so skip it
@@ -216,6 +237,8 @@ def main(argv=None) -> None:
     ap.add_argument("--train-args", default="", help="model and optimisation flags shared by all modes")
     ap.add_argument("--gen-args", default="--beam 4", help="fairseq-generate flags shared by all modes")
     ap.add_argument("--gen-subset", default="test")
+    ap.add_argument("--short-max-words", type=int, default=0,
+                    help="also score the sentences whose source has at most N words (0 = off)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -227,10 +250,12 @@ def main(argv=None) -> None:
             ap.error(f"--train-args must not contain {flag}: compare.py sets it per mode")
     if not Path(a.data).is_dir():
         ap.error(f"data directory not found: {a.data}")
+    if a.short_max_words < 0:
+        ap.error(f"--short-max-words must be >= 0 (0 = off), got {a.short_max_words}")
     modes = ["fp32"] + [m for m in modes if m != "fp32"]
     a.out.mkdir(parents=True, exist_ok=True)
     settings = {"data": str(a.data), "modes": modes, "train_args": a.train_args, "gen_args": a.gen_args,
-                "gen_subset": a.gen_subset, "seed": a.seed,
+                "gen_subset": a.gen_subset, "short_max_words": a.short_max_words, "seed": a.seed,
                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     results = []
     for mode in modes:

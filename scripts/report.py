@@ -11,7 +11,10 @@ against fp32) and ``OUT/valid_loss_updates.png``, ``OUT/valid_loss_wall.png``,
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 COLUMNS = [
     "mode", "updates", "updates/s", "x fp32", "words/s", "x fp32", "peak mem MB", "x fp32",
@@ -29,13 +32,17 @@ def load_results(out: Path):
     return settings, results
 
 
-def paired_bootstrap(out: Path, results, n_samples: int):
-    """{mode: (p_value, mean BLEU, 95% CI half-width)} from sacrebleu's paired bootstrap."""
+def paired_bootstrap(out: Path, results, n_samples: int, ids=None):
+    """{mode: p_value} of each run against fp32, from sacrebleu's paired bootstrap.
+
+    ``ids``: score only these sentence indices (the short-source subset).
+    """
     from sacrebleu.metrics import BLEU
     from sacrebleu.significance import PairedTest
 
     def lines(r, key):
-        return (out / r["mode"] / r["generate"][key]).read_text().splitlines()
+        text = (out / r["mode"] / r["generate"][key]).read_text().splitlines()
+        return text if ids is None else [text[i] for i in ids]
 
     refs = lines(results[0], "refs_file")
     baseline = lines(results[0], "hyps_file")
@@ -89,6 +96,24 @@ def table(results, pvals):
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines), mem_key
+
+
+SHORT_COLUMNS = ["mode", "sentences", "BLEU", "d BLEU", "p (vs fp32)", "chrF", "BP"]
+
+
+def short_table(results, pvals):
+    """BLEU on the short-source subset (compare.py --short-max-words), runs side by side."""
+    base = results[0]["generate"]["short"]
+    rows = []
+    for r in results:
+        sh = r["generate"]["short"]
+        p = pvals.get(r["mode"])
+        rows.append([r["mode"], sh["n_sentences"], fmt(sh["bleu"]),
+                     "-" if r is results[0] else f"{sh['bleu'] - base['bleu']:+.2f}",
+                     "-" if p is None else f"{p:.3f}", fmt(sh["chrf"]), fmt(sh["bleu_bp"], 3)])
+    lines = ["| " + " | ".join(SHORT_COLUMNS) + " |", "|" + "---|" * len(SHORT_COLUMNS)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def plots(out: Path, results):
@@ -177,13 +202,31 @@ def main(argv=None) -> None:
         "Decoding flags (all runs): `" + settings.get("gen_args", "") + "`",
         "",
     ]
+    short = results[0]["generate"].get("short")
+    short_p = {}
+    if short and all("short" in r["generate"] for r in results):
+        from compare import read_sources, short_ids
+
+        gen0 = a.out / "fp32" / "generate" / f"generate-{g0['subset']}.txt"
+        ids = short_ids(read_sources(gen0), short["max_words"]) if gen0.exists() else None
+        if ids is not None:
+            short_p = paired_bootstrap(a.out, results, a.bootstrap, ids)
+        md += [f"Sentences whose source has at most {short['max_words']} words "
+               f"({short['n_sentences']} of {g0['n_sentences']}), scored the same way:", "",
+               short_table(results, short_p), ""]
     md += [f"![{p}]({p})" for p in pngs]
     (a.out / "report.md").write_text("\n".join(md) + "\n")
     summary = {r["mode"]: {"bleu": r["generate"]["bleu"], "p_vs_fp32": pvals.get(r["mode"]),
                            "words_per_s": r["train"]["words_per_s"], mem_key: r["train"][mem_key]}
                for r in results}
+    for r in results:
+        if "short" in r["generate"]:
+            summary[r["mode"]]["short_bleu"] = r["generate"]["short"]["bleu"]
+            summary[r["mode"]]["short_p_vs_fp32"] = short_p.get(r["mode"])
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(tab)
+    if short:
+        print(f"\nsources of <= {short['max_words']} words:\n" + short_table(results, short_p))
     print(f"\nreport: {a.out / 'report.md'}")
     print("plots:  " + ", ".join(str(a.out / p) for p in pngs))
 

@@ -21,7 +21,8 @@ def compared(toy_data, tmp_path_factory):
         " --log-interval 5 --no-epoch-checkpoints --num-workers 0"
     )
     subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out,
-                    "--modes", "fp16", "--train-args", train_args, "--gen-args", "--beam 1 --cpu"],
+                    "--modes", "fp16", "--train-args", train_args, "--gen-args", "--beam 1 --cpu",
+                    "--short-max-words", "7"],
                    check=True, capture_output=True, text=True)
     rep = subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "200"],
                          check=True, capture_output=True, text=True)
@@ -55,6 +56,27 @@ def test_bleu_is_sacrebleu_on_generate_output(compared):
     assert gen.count("\nH-") + gen.startswith("H-") == 100
 
 
+def test_short_source_subset_is_scored_and_reported(compared):
+    out, stdout = compared
+    r = json.loads((out / "fp16" / "result.json").read_text())
+    gen = (out / "fp16" / "generate" / "generate-test.txt").read_text().splitlines()
+    srcs = {int(l.split("\t")[0][2:]): l.split("\t")[1] for l in gen if l.startswith("S-")}
+    ids = [k for k in sorted(srcs) if len(srcs[k].split()) <= 7]
+    assert 0 < len(ids) < 100
+    hyps = (out / "fp16" / "hyps.txt").read_text().splitlines()
+    refs = (out / "fp16" / "refs.txt").read_text().splitlines()
+    short = r["generate"]["short"]
+    assert (short["max_words"], short["n_sentences"]) == (7, len(ids))
+    pos = {k: i for i, k in enumerate(sorted(srcs))}
+    expected = BLEU().corpus_score([hyps[pos[k]] for k in ids], [[refs[pos[k]] for k in ids]]).score
+    assert short["bleu"] == round(expected, 2)
+    md = (out / "report.md").read_text()
+    assert f"Sentences whose source has at most 7 words ({len(ids)} of 100)" in md
+    assert "sources of <= 7 words:" in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["fp16"]["short_bleu"] == short["bleu"] and summary["fp32"]["short_p_vs_fp32"] is None
+
+
 def test_report_table_and_plots(compared):
     out, stdout = compared
     md = (out / "report.md").read_text()
@@ -63,7 +85,7 @@ def test_report_table_and_plots(compared):
                 "p (vs fp32)", "chrF"):
         assert f" {col} " in header
     rows = [l for l in md.splitlines() if l.startswith("| fp")]
-    assert [r.split(" | ")[0] for r in rows] == ["| fp32", "| fp16"]
+    assert [r.split(" | ")[0] for r in rows] == ["| fp32", "| fp16"] * 2  # all sentences, then short ones
     assert rows[0].split(" | ")[3] == "1.00"  # fp32's ratio to itself
     for png in ("valid_loss_updates.png", "valid_loss_wall.png", "loss_scale.png", "throughput.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"

@@ -79,3 +79,12 @@ def test_write_splits_keeps_a_family_in_one_split(tmp_path):
     pairs = [(f"s{i}", f"t{i}", name) for i, name in enumerate(["libzap-dev", "zap", "zap-doc"] * 20)]
     counts = pd.write_splits(pairs, tmp_path, "de", 30.0, 30.0)
     assert sorted(counts.values()) == [0, 0, 60]
+
+
+def test_filter_train_keeps_pairs_short_on_both_sides(tmp_path):
+    (tmp_path / "train.en").write_text("a b\na b c d\na\na b c\n")
+    (tmp_path / "train.de").write_text("x y z\nx\nx y z w\ny\n")
+    prefix, kept, total = pd.filter_train(tmp_path, "de", 3)
+    assert (prefix, kept, total) == ("train.max3", 2, 4)
+    assert (tmp_path / "train.max3.en").read_text() == "a b\na b c\n"
+    assert (tmp_path / "train.max3.de").read_text() == "x y z\ny\n"

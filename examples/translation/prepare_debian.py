@@ -18,6 +18,10 @@ Project) are human translations that apt fetches as index files. This script:
 
     python examples/translation/prepare_debian.py --lang de --out data/debian-ende
 
+``--max-train-tokens N`` keeps only the training pairs of at most N
+sentencepiece tokens on both sides (valid and test stay whole) and writes
+``bin-max<N>`` beside ``bin``: on a CPU, short pairs teach the model faster.
+
 Each step is skipped when its output exists (delete the folder to rebuild).
 The descriptions are archive metadata without an explicit license: the data is
 fetched at run time and not committed.
@@ -188,9 +192,20 @@ def encode(raw: Path, spm_dir: Path, model: Path, lang: str) -> None:
             out.write_text("".join(" ".join(sp.encode(l, out_type=str)) + "\n" for l in lines))
 
 
-def preprocess(spm_dir: Path, bin_dir: Path, lang: str) -> None:
+def filter_train(spm_dir: Path, lang: str, max_tokens: int) -> Tuple[str, int, int]:
+    """Write ``train.max<N>.{en,lang}``: the pairs with <= N tokens on both sides."""
+    prefix = f"train.max{max_tokens}"
+    src = (spm_dir / "train.en").read_text().splitlines()
+    tgt = (spm_dir / f"train.{lang}").read_text().splitlines()
+    keep = [(s, t) for s, t in zip(src, tgt) if len(s.split()) <= max_tokens and len(t.split()) <= max_tokens]
+    (spm_dir / f"{prefix}.en").write_text("".join(s + "\n" for s, _ in keep))
+    (spm_dir / f"{prefix}.{lang}").write_text("".join(t + "\n" for _, t in keep))
+    return prefix, len(keep), len(src)
+
+
+def preprocess(spm_dir: Path, bin_dir: Path, lang: str, train: str = "train") -> None:
     cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en", "--target-lang", lang,
-           "--trainpref", str(spm_dir / "train"), "--validpref", str(spm_dir / "valid"),
+           "--trainpref", str(spm_dir / train), "--validpref", str(spm_dir / "valid"),
            "--testpref", str(spm_dir / "test"), "--destdir", str(bin_dir), "--joined-dictionary",
            "--workers", "2"]
     print("    fairseq-preprocess ... --destdir " + str(bin_dir), flush=True)
@@ -205,7 +220,11 @@ def main(argv: Iterable[str] = None) -> None:
     ap.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece vocabulary")
     ap.add_argument("--valid-pct", type=float, default=2.0, help="%% of package families for valid")
     ap.add_argument("--test-pct", type=float, default=3.0, help="%% of package families for test")
+    ap.add_argument("--max-train-tokens", type=int, default=0,
+                    help="also write bin-max<N>: training pairs of <= N tokens per side (0 = off)")
     a = ap.parse_args(argv)
+    if a.max_train_tokens < 0:
+        ap.error(f"--max-train-tokens must be >= 0 (0 = off), got {a.max_train_tokens}")
     out = a.out or Path("data") / f"debian-en{a.lang}"
     raw, spm_dir, bin_dir = out / "raw", out / "spm", out / "bin"
     if not (raw / "test.en").exists():
@@ -224,6 +243,13 @@ def main(argv: Iterable[str] = None) -> None:
     if not (bin_dir / f"test.en-{a.lang}.{a.lang}.bin").exists():
         print("=== [4/4] binarising", flush=True)
         preprocess(spm_dir, bin_dir, a.lang)
+    if a.max_train_tokens:
+        bin_dir = out / f"bin-max{a.max_train_tokens}"
+        if not (bin_dir / f"test.en-{a.lang}.{a.lang}.bin").exists():
+            prefix, kept, total = filter_train(spm_dir, a.lang, a.max_train_tokens)
+            print(f"=== training pairs of <= {a.max_train_tokens} tokens per side: {kept} of {total}",
+                  flush=True)
+            preprocess(spm_dir, bin_dir, a.lang, train=prefix)
     print(f"data-bin: {bin_dir}")
 
 
