@@ -79,7 +79,8 @@ def _assert_bitwise_equal(a, b, path="state"):
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_nan_loss_update_leaves_masters_and_optimizer_state_bit_identical(precision):
     model = _tiny_model().to(torch.float16 if precision == "fp16" else torch.bfloat16)
-    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(), list(model.parameters()), precision)
+    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=10), list(model.parameters()),
+                                         precision)
     for _ in range(3):  # Adam moments and step counts are non-trivial
         opt.zero_grad()
         opt.backward(_loss(model))
@@ -118,6 +119,23 @@ def test_consecutive_overflow_count_survives_a_checkpoint():
     again = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=5), list(model.parameters()), "fp16")
     again.load_state_dict(state)
     assert (again.consecutive_overflows, again.num_skipped, again.loss_scaler.loss_scale) == (2, 2, 32.0)
+
+
+@pytest.mark.parametrize("loss_scale,counted", [(None, [0, 0, 1]), ("8", [1, 2, 3])])
+def test_only_overflows_a_smaller_scale_cannot_fix_are_counted(loss_scale, counted):
+    """Dynamic scale: gradient-only overflows are the scale search; a NaN loss counts. Static: all count."""
+    model = _tiny_model()
+    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=10, loss_scale=loss_scale),
+                                         list(model.parameters()), "fp16")
+    seen = []
+    for poison in (False, False, True):
+        opt.zero_grad()
+        loss = _loss(model, poison=poison)
+        opt.backward(loss * 2.0**100 if not poison else loss)  # finite loss, overflowing fp16 gradients
+        with pytest.raises(OverflowError):
+            opt.clip_grad_norm(0.0)
+        seen.append(opt.consecutive_overflows)
+    assert seen == counted
 
 
 @pytest.mark.slow

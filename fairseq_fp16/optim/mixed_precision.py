@@ -219,14 +219,24 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         return grad_norm
 
     def _count_overflow(self, culprits) -> None:
-        """Arm the forward watch; stop after ``--max-consecutive-overflows`` in a row."""
-        self.consecutive_overflows += 1
-        limit = self.max_consecutive_overflows
+        """Arm the forward watch; stop after ``--max-consecutive-overflows`` in a row.
+
+        Counted are the overflows that a smaller scale cannot fix: a non-finite loss, or any
+        overflow under a static scale. A dynamic scale searching downwards from a high
+        ``--fp16-init-scale`` (finite losses, overflowing gradients) is not counted; if it
+        never finds a scale, ``--min-loss-scale`` stops the run.
+        """
         if self.watch is not None and not self.watch.armed:
             self.watch.arm()
-        if not limit or self.consecutive_overflows < limit:
+        limit = self.max_consecutive_overflows
+        if not limit:
             return
-        loss_finite = all(bool(torch.isfinite(t).all()) for t in self._losses)
+        loss_finite = all(bool(torch.isfinite(t).all()) for t in self._losses)  # synced already
+        if loss_finite and self.loss_scaler.dynamic:
+            return
+        self.consecutive_overflows += 1
+        if self.consecutive_overflows < limit:
+            return
         first = self.watch.first if self.watch is not None else None
         if first is not None:
             cause = (
@@ -362,6 +372,7 @@ class Diagnostics:
         if not self.trace_file:
             return
         record = {
+            "rank": _rank(),
             "update": self.attempt,
             "num_updates": self.attempt - opt.num_skipped,
             "loss_scale": opt.loss_scaler.loss_scale,
@@ -387,6 +398,11 @@ class Diagnostics:
         if self.pending_norm is not None:
             self.trace(opt, self.pending_norm, overflow=False)
             self.pending_norm = None
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def summarize(stats: Dict[str, Dict]) -> str:

@@ -72,8 +72,9 @@ class TranslationFP16Config(TranslationConfig):
         default=10,
         metadata={
             "help": "stop the run, naming the first module whose forward output is not finite, "
-            "after this many updates in a row were skipped for non-finite gradients "
-            "(0 = never; --min-loss-scale still applies)"
+            "after this many updates in a row were skipped for overflows that a smaller scale "
+            "cannot fix (a non-finite loss; any overflow under a static scale). 0 = never; "
+            "--min-loss-scale still applies"
         },
     )
     fp32_modules: Optional[str] = field(
