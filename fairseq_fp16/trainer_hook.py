@@ -45,6 +45,32 @@ In ``fairseq.checkpoint_utils`` it replaces two names:
     corrupt file, or a pickled global outside the allow-list of
     :mod:`fairseq_fp16.safe_load` (refused by weights-only loading, never run).
 
+In ``fairseq.distributed.utils`` and ``fairseq.models.distributed_fairseq_model``
+(multi-process training on CPUs, where stock fairseq 0.12 cannot start):
+
+``infer_init_method``
+    Under ``torchrun`` without a GPU, fairseq computes ``rank %
+    torch.cuda.device_count()`` (``ZeroDivisionError``), and without
+    ``--distributed-world-size`` it sees a world of 1 (the default is the GPU
+    count) and trains each process alone. The world size, rank and local
+    rank are taken from torchrun's environment. ``--cpu
+    --distributed-world-size N`` without a launcher gets a free local port
+    (fairseq asserts N <= the GPU count).
+``call_main``
+    spawns ``min(GPU count, N)`` processes: none on a CPU. Without GPUs it
+    spawns N.
+``distributed_init``
+    ``--distributed-backend`` defaults to ``nccl``; without CUDA (or with
+    ``--cpu``) the run uses ``gloo``.
+``_broadcast_object_slow``
+    on resume, rank 0 sends the loaded checkpoint state to the others pickled;
+    with torch >= 2.6 they unpickle it in weights-only mode and fail on the
+    ``omegaconf`` config inside (on GPUs too). The receivers unpickle it fully:
+    the bytes come from rank 0, which loaded the file in weights-only mode.
+``DistributedDataParallel``
+    fairseq passes ``device_ids=[device_id]``, which DDP refuses for CPU
+    modules; for a module that is not on a GPU they are left out.
+
 And ``fairseq.options.parse_args_and_arch``: ``--fp16 --bf16`` together is
 refused by argparse's ``parser.error`` naming both flags (fairseq itself
 turns ``--bf16`` into ``--tpu`` first and then complains about ``--tpu``).
@@ -62,15 +88,21 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import sys
 from itertools import chain
 from typing import Callable, Dict
 
+import torch
 from fairseq import checkpoint_utils, options
 from fairseq import trainer as fairseq_trainer
+from fairseq.distributed import utils as distributed_utils
 from fairseq.file_io import PathManager
 from fairseq.logging import metrics
+from fairseq.models import distributed_fairseq_model
 from fairseq.optim import lr_scheduler
+from omegaconf import open_dict
+from torch.nn.parallel import DistributedDataParallel
 
 from . import safe_load
 from .core.master_weights import tag_param_names
@@ -104,6 +136,14 @@ EXPECTED_CHECKPOINT_SOURCE = {
     "save_checkpoint": ["PathManager.copy(", "trainer.save_checkpoint(checkpoints[0], extra_state)"],
     "load_checkpoint_to_cpu": ["torch.load(f, map_location=torch.device(\"cpu\"))"],
 }
+#: Statements of fairseq 0.12's distributed code that the CPU replacements depend on.
+EXPECTED_DISTRIBUTED_SOURCE = {
+    "call_main": ["torch.cuda.device_count(),", "distributed_main(cfg.distributed_training.device_id"],
+    "distributed_init": ["backend=cfg.distributed_training.distributed_backend"],
+    "distributed_main": ["cfg.distributed_training.device_id = i", 'kwargs.pop("start_rank", 0) + i'],
+    "_broadcast_object_slow": ["broadcast(length, src=src_rank, group=group)",
+                               'obj = torch.load(buffer, map_location="cpu")'],
+}
 
 
 def check_fairseq_internals(trainer_cls=None) -> None:
@@ -119,6 +159,11 @@ def check_fairseq_internals(trainer_cls=None) -> None:
         if fn is None:
             raise RuntimeError(f"fairseq_fp16: fairseq.checkpoint_utils has no {name}()")
         _check_source(f"fairseq.checkpoint_utils.{name}", fn, needles)
+    for name, needles in EXPECTED_DISTRIBUTED_SOURCE.items():
+        fn = _ORIGINALS.get(name) or getattr(distributed_utils, name, None)
+        if fn is None:
+            raise RuntimeError(f"fairseq_fp16: fairseq.distributed.utils has no {name}()")
+        _check_source(f"fairseq.distributed.utils.{name}", fn, needles)
 
 
 def _check_source(qualname: str, fn: Callable, needles) -> None:
@@ -276,6 +321,118 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
 _CHECKPOINT_REPLACEMENTS = {"load_checkpoint_to_cpu": _load_checkpoint_to_cpu}
 
 
+# ----------------------------------------------------------------- distributed
+TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def _no_gpu() -> bool:
+    return torch.cuda.device_count() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def _infer_init_method(cfg, force_distributed=False):
+    launched = all(k in os.environ for k in TORCHRUN_ENV)
+    if cfg.distributed_init_method is None and not cfg.tpu and _no_gpu():
+        if launched:
+            world = int(os.environ["WORLD_SIZE"])
+            if cfg.distributed_world_size not in (1, world):
+                logger.warning("fairseq_fp16: --distributed-world-size %d, but torchrun started %d "
+                               "processes: using %d", cfg.distributed_world_size, world, world)
+            with open_dict(cfg):
+                cfg.distributed_world_size = world
+                cfg.distributed_rank = int(os.environ["RANK"])
+                cfg.device_id = int(os.environ.get("LOCAL_RANK", 0))
+                cfg.distributed_init_method = "env://"
+                cfg.distributed_no_spawn = True
+                cfg.distributed_num_procs = 1
+            return
+        if cfg.distributed_world_size > 1 and "SLURM_JOB_ID" not in os.environ:
+            with open_dict(cfg):
+                port = cfg.distributed_port if cfg.distributed_port > 0 else _free_port()
+                cfg.distributed_init_method = f"tcp://localhost:{port}"
+                cfg.distributed_num_procs = cfg.distributed_world_size
+            return
+    return _ORIGINALS["infer_init_method"](cfg, force_distributed)
+
+
+def _call_main(cfg, main, **kwargs):
+    dt = cfg.distributed_training
+    if dt.distributed_init_method is None:
+        _infer_init_method(dt)
+    if _no_gpu() and dt.distributed_init_method is not None and not dt.distributed_no_spawn:
+        kwargs["start_rank"] = dt.distributed_rank
+        dt.distributed_rank = None  # distributed_main assigns start_rank + process index
+        torch.multiprocessing.spawn(fn=_spawned_main, args=(main, cfg, kwargs),
+                                    nprocs=dt.distributed_world_size, join=True)
+        return None
+    return _ORIGINALS["call_main"](cfg, main, **kwargs)
+
+
+def _spawned_main(i, main, cfg, kwargs):
+    # A spawned process starts afresh: unpickling this function imported the plugin, whose
+    # import installs the hook (install() is idempotent) before fairseq's distributed_main runs.
+    install()
+    distributed_utils.distributed_main(i, main, cfg, kwargs)
+
+
+def _distributed_init(cfg):
+    common = getattr(cfg, "common", None)
+    dt = getattr(cfg, "distributed_training", cfg)
+    cpu = bool(getattr(common, "cpu", False)) or not torch.cuda.is_available()
+    if cpu and dt.distributed_backend == "nccl":
+        logger.info("fairseq_fp16: no CUDA: distributed backend gloo instead of nccl")
+        dt.distributed_backend = "gloo"
+    return _ORIGINALS["distributed_init"](cfg)
+
+
+def _broadcast_object_slow(obj, src_rank, group, dist_device):
+    """fairseq's pickled broadcast (length, then bytes), unpickled fully on the receivers.
+
+    fairseq sends the checkpoint state that rank 0 loaded to the other ranks this way; with
+    torch >= 2.6 the receivers' ``torch.load`` runs in weights-only mode and refuses the
+    ``omegaconf`` config inside (so every distributed resume failed). The bytes come from rank 0
+    of this job, which built them from a checkpoint it loaded in weights-only mode: they hold
+    nothing that was not already in that process.
+    """
+    import io
+
+    if distributed_utils.get_rank(group) == src_rank:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(dist_device)
+        distributed_utils.broadcast(torch.tensor([data.numel()], device=dist_device), src=src_rank, group=group)
+        distributed_utils.broadcast(data, src=src_rank, group=group)
+        return obj
+    length = torch.zeros(1, dtype=torch.long, device=dist_device)
+    distributed_utils.broadcast(length, src=src_rank, group=group)
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=dist_device)
+    distributed_utils.broadcast(data, src=src_rank, group=group)
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+class DeviceAwareDDP(DistributedDataParallel):
+    """torch's DDP, without ``device_ids`` for a module that is not on a GPU."""
+
+    def __init__(self, module, device_ids=None, output_device=None, **kwargs):
+        if next(module.parameters()).device.type != "cuda":
+            device_ids = output_device = None
+        super().__init__(module, device_ids=device_ids, output_device=output_device, **kwargs)
+
+
+_DISTRIBUTED_REPLACEMENTS = [
+    (distributed_utils, "infer_init_method", _infer_init_method),
+    (distributed_utils, "call_main", _call_main),
+    (distributed_utils, "distributed_init", _distributed_init),
+    (distributed_utils, "_broadcast_object_slow", _broadcast_object_slow),
+    (distributed_fairseq_model, "DistributedDataParallel", DeviceAwareDDP),
+]
+
+
 # --------------------------------------------------------------------- options
 EXCLUSIVE_FLAGS = ("--fp16", "--bf16")
 
@@ -307,6 +464,9 @@ def install() -> None:
     checkpoint_utils.PathManager = _AtomicCopyPathManager()
     _ORIGINALS["parse_args_and_arch"] = options.parse_args_and_arch
     options.parse_args_and_arch = _parse_args_and_arch
+    for module, name, fn in _DISTRIBUTED_REPLACEMENTS:
+        _ORIGINALS[name] = getattr(module, name)
+        setattr(module, name, fn)
     setattr(cls, _MARK, True)
 
 
@@ -321,4 +481,6 @@ def uninstall() -> None:
         setattr(checkpoint_utils, name, _ORIGINALS[name])
     checkpoint_utils.PathManager = _ORIGINALS["PathManager"]
     options.parse_args_and_arch = _ORIGINALS["parse_args_and_arch"]
+    for module, name, _ in _DISTRIBUTED_REPLACEMENTS:
+        setattr(module, name, _ORIGINALS[name])
     delattr(cls, _MARK)

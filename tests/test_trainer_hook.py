@@ -24,12 +24,16 @@ def test_install_is_idempotent_and_uninstall_restores_fairseq():
         for module, name in [(checkpoint_utils, "load_checkpoint_to_cpu"), (checkpoint_utils, "PathManager"),
                              (options, "parse_args_and_arch")]:
             assert getattr(module, name) is trainer_hook._ORIGINALS[name], name
+        for module, name, _ in trainer_hook._DISTRIBUTED_REPLACEMENTS:
+            assert getattr(module, name) is trainer_hook._ORIGINALS[name], name
         assert not trainer_hook.is_installed()
     finally:
         trainer_hook.install()
     assert cls._build_optimizer is ours
     assert checkpoint_utils.PathManager.copy is trainer_hook._AtomicCopyPathManager.copy
     assert options.parse_args_and_arch is trainer_hook._parse_args_and_arch
+    for module, name, ours in trainer_hook._DISTRIBUTED_REPLACEMENTS:
+        assert getattr(module, name) is ours, name
 
 
 def test_atomic_copy_replaces_the_destination_whole(tmp_path):

@@ -10,7 +10,11 @@ and adds the criterion ``faulty_label_smoothed_cross_entropy``:
   module NAME are multiplied by F once (a corruption that persists);
 
 at training forward number ``--fault-at`` (1-based), then every
-``--fault-every`` forwards (0 = once).
+``--fault-every`` forwards (0 = once); with ``--fault-rank R`` only on
+distributed rank R.
+
+Environment ``FAULT_DUMP_DIR=DIR``: at exit each process writes
+``DIR/rank<R>.json`` with a SHA-256 of its model's parameters.
 
 Environment ``FAULT_KILL_IN_COPY=N``: SIGKILL this process half-way through
 the N-th copy of a checkpoint to ``checkpoint_last.pt``.
@@ -18,6 +22,9 @@ the N-th copy of a checkpoint to ``checkpoint_last.pt``.
 (what stock fairseq does), to show what the plugin's atomic copy prevents.
 """
 
+import atexit
+import hashlib
+import json
 import os
 import shutil
 import signal
@@ -42,21 +49,44 @@ class FaultyConfig(LabelSmoothedCrossEntropyCriterionConfig):
     fault_every: int = field(default=0, metadata={"help": "repeat every N forwards (0 = once)"})
     fault_module: str = field(default="", metadata={"help": "module for scale-module"})
     fault_factor: float = field(default=1e5, metadata={"help": "weight factor for scale-module"})
+    fault_rank: int = field(default=-1, metadata={"help": "inject only on this rank (-1 = all)"})
 
 
 @register_criterion("faulty_label_smoothed_cross_entropy", dataclass=FaultyConfig)
 class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
                  report_accuracy=False, fault="none", fault_at=0, fault_every=0,
-                 fault_module="", fault_factor=1e5):
+                 fault_module="", fault_factor=1e5, fault_rank=-1):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.fault, self.fault_at, self.fault_every = fault, fault_at, fault_every
         self.fault_module, self.fault_factor = fault_module, fault_factor
+        self.fault_rank = fault_rank
         self.forwards = 0
+        self.model = None
+        if os.environ.get("FAULT_DUMP_DIR"):
+            atexit.register(self._dump)
+
+    @staticmethod
+    def _rank() -> int:
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def _dump(self) -> None:
+        if self.model is None:
+            return
+        h = hashlib.sha256()
+        for name, p in sorted(self.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+        path = os.path.join(os.environ["FAULT_DUMP_DIR"], f"rank{self._rank()}.json")
+        with open(path, "w") as f:
+            json.dump({"rank": self._rank(), "forwards": self.forwards, "sha256": h.hexdigest()}, f)
 
     def _due(self) -> bool:
         n = self.forwards
         if self.fault == "none" or self.fault_at <= 0 or n < self.fault_at:
+            return False
+        if self.fault_rank >= 0 and self._rank() != self.fault_rank:
             return False
         if n == self.fault_at:
             return True
@@ -64,6 +94,7 @@ class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def forward(self, model, sample, reduce=True):
         due = False
+        self.model = model
         if model.training:
             self.forwards += 1
             due = self._due()

@@ -1,0 +1,122 @@
+"""Multi-process training on the CPU (gloo): torchrun and fairseq's own spawn, with the plugin.
+
+Stock fairseq 0.12 cannot do either off CUDA; see trainer_hook's distributed section.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BIN, parse_json_records
+from test_reliability import fault_args
+
+pytestmark = pytest.mark.slow
+
+# no dropout: one process with --update-freq 2 and two processes see the same global batches,
+# and without dropout the same arithmetic up to the order of the gradient sums
+BASE = ["--fp16", "--dropout", "0", "--fp16-scale-window", "4"]
+
+
+def run(cmd, env=None, check=True):
+    full_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=full_env, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd[0]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc, parse_json_records(proc.stdout + proc.stderr)["train_inner"]
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(data, save_dir, *extra, env=None, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
+           BIN / "fairseq-train", *fault_args(data, save_dir, *BASE, *extra)]
+    return run(cmd, env, check)
+
+
+def single(data, save_dir, *extra, env=None):
+    return run([BIN / "fairseq-train", *fault_args(data, save_dir, *BASE, *extra)], env)
+
+
+def by_update(recs):
+    return {int(r["num_updates"]): r for r in recs}
+
+
+@pytest.fixture(scope="module")
+def one_process(toy_data, tmp_path_factory):
+    _, recs = single(toy_data, tmp_path_factory.mktemp("one"), "--update-freq", "2", "--max-update", "12",
+                     "--no-save")
+    return by_update(recs)
+
+
+def _assert_same_trajectory(got, ref, tol=0.01):
+    """Equal losses and scales wherever the global batch is the same one.
+
+    The toy epoch has 19 batches: one process groups them in pairs for --update-freq 2, two
+    processes deal them out alternately and pad the odd one, so updates 9-10 (the end of the
+    epoch) see the batches in another grouping; every other update sees the same global batch.
+    """
+    assert sorted(got) == sorted(ref)
+    same = [u for u in ref if (got[u]["wpb"], got[u]["bsz"]) == (ref[u]["wpb"], ref[u]["bsz"])]
+    assert len(same) >= len(ref) - 2, same
+    for u in same:
+        assert got[u]["loss"] == pytest.approx(ref[u]["loss"], abs=tol), u
+    for u in range(1, min(set(ref) - set(same), default=max(ref) + 1)):  # until the groupings part
+        assert got[u]["loss_scale"] == ref[u]["loss_scale"], u
+
+
+def test_torchrun_two_cpu_processes_match_one_process(toy_data, tmp_path, one_process):
+    """torchrun without --distributed-world-size: one job of two processes (gloo)."""
+    proc, recs = torchrun(toy_data, tmp_path, "--max-update", "12", "--no-save")
+    text = proc.stdout + proc.stderr
+    assert "distributed init (rank 1): env://" in text and "backend gloo instead of nccl" in text
+    _assert_same_trajectory(by_update(recs), one_process)
+
+
+def test_cpu_world_size_spawns_the_processes(toy_data, tmp_path, one_process):
+    """fairseq-train --cpu --distributed-world-size 2, no launcher: stock fairseq spawns none."""
+    proc, recs = run([BIN / "fairseq-train", *fault_args(toy_data, tmp_path, *BASE, "--distributed-world-size",
+                                                          "2", "--max-update", "12", "--no-save")])
+    assert "distributed init (rank 1): tcp://localhost:" in proc.stdout + proc.stderr
+    _assert_same_trajectory(by_update(recs), one_process)
+
+
+def test_overflow_on_one_rank_makes_every_rank_skip_and_back_off(toy_data, tmp_path):
+    trace, dump = tmp_path / "trace.jsonl", tmp_path / "dump"
+    dump.mkdir()
+    _, recs = torchrun(toy_data, tmp_path, "--max-update", "10", "--no-save", "--scale-trace", trace,
+                       "--fp16-scale-window", "1000", "--fault", "grad-overflow", "--fault-at", "4",
+                       "--fault-rank", "1", env={"FAULT_DUMP_DIR": str(dump)})
+    lines = [json.loads(l) for l in trace.read_text().splitlines()]
+    per_rank = {r: [l for l in lines if l["rank"] == r] for r in (0, 1)}
+    assert len(per_rank[0]) == len(per_rank[1]) == 11  # 10 updates + 1 skipped, on both ranks
+    for a, b in zip(per_rank[0], per_rank[1]):
+        assert (a["update"], a["skipped"], a["loss_scale"]) == (b["update"], b["skipped"], b["loss_scale"])
+    assert [l["update"] for l in per_rank[0] if l["skipped"]] == [4]
+    assert [l["loss_scale"] for l in per_rank[0][2:5]] == [128.0, 64.0, 64.0]
+    assert recs[-1]["skipped"] == 1.0
+    hashes = [json.loads((dump / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert hashes[0]["forwards"] == hashes[1]["forwards"] == 11
+    assert hashes[0]["sha256"] == hashes[1]["sha256"]  # the replicas did not drift
+
+
+def test_distributed_resume_continues_like_an_uninterrupted_run(toy_data, tmp_path):
+    flags = ["--save-interval-updates", "5", "--fp16-init-scale", "4096", "--fp16-scale-window", "3"]
+    _, full = torchrun(toy_data, tmp_path / "full", *flags, "--max-update", "15")
+    torchrun(toy_data, tmp_path / "cut", *flags, "--max-update", "5")
+    proc, rest = torchrun(toy_data, tmp_path / "cut", *flags, "--max-update", "15")
+    assert "Loaded checkpoint" in proc.stdout + proc.stderr
+    ref, got = by_update(full), by_update(rest)
+    assert sorted(got) == list(range(6, 16))
+    for u in got:
+        assert got[u]["loss"] == pytest.approx(ref[u]["loss"], abs=2e-3), u
+        assert got[u]["loss_scale"] == ref[u]["loss_scale"] and got[u]["skipped"] == ref[u]["skipped"], u
+    assert len({r["loss_scale"] for r in full}) > 1  # the scale moved
