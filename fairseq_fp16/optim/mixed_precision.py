@@ -255,8 +255,8 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
                      "(--fp32-modules)")
         raise FloatingPointError(
             f"fairseq_fp16: {self.consecutive_overflows} consecutive updates skipped for "
-            f"non-finite gradients (--max-consecutive-overflows {limit}); the loss scale backed "
-            f"off to {self.loss_scaler.loss_scale:.6g} without recovering: {cause}"
+            f"non-finite gradients (--max-consecutive-overflows {limit}; loss scale now "
+            f"{self.loss_scaler.loss_scale:.6g}): {cause}"
         )
 
     def _log_counters(self) -> None:
