@@ -83,6 +83,7 @@ fairseq changed.
 from __future__ import annotations
 
 import inspect
+import io
 import logging
 import os
 import pickle
@@ -399,13 +400,12 @@ def _broadcast_object_slow(obj, src_rank, group, dist_device):
     of this job, which built them from a checkpoint it loaded in weights-only mode: they hold
     nothing that was not already in that process.
     """
-    import io
-
     if distributed_utils.get_rank(group) == src_rank:
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(dist_device)
-        distributed_utils.broadcast(torch.tensor([data.numel()], device=dist_device), src=src_rank, group=group)
+        length = torch.tensor([data.numel()], device=dist_device)
+        distributed_utils.broadcast(length, src=src_rank, group=group)
         distributed_utils.broadcast(data, src=src_rank, group=group)
         return obj
     length = torch.zeros(1, dtype=torch.long, device=dist_device)

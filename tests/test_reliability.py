@@ -11,7 +11,6 @@ import re
 import shutil
 import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import fairseq_fp16  # noqa: F401
 from fairseq_fp16.core.master_weights import tag_param_names
 from fairseq_fp16.optim.mixed_precision import MixedPrecisionFairseqOptimizer
 
-from conftest import BIN, ROOT, TINY_MODEL, TRAIN, parse_json_records, run_cli
+from conftest import BIN, ROOT, TINY_MODEL, TRAIN, parse_json_records
 from test_diagnostics import fairseq_cfg
 
 FAULT_DIR = str(ROOT / "tests" / "fault_plugin")

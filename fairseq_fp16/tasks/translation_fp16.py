@@ -38,9 +38,9 @@ from functools import wraps
 from typing import Optional
 
 import torch
-from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.data import data_utils
 from fairseq.dataclass import ChoiceEnum
+from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
