@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import BIN, parse_json_records
+from fairseq_fp16.trainer_hook import _free_port
 from test_reliability import fault_args
 
 pytestmark = pytest.mark.slow
@@ -28,16 +29,8 @@ def run(cmd, env=None, check=True):
     return proc, parse_json_records(proc.stdout + proc.stderr)["train_inner"]
 
 
-def free_port():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(data, save_dir, *extra, env=None, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", _free_port(),
            BIN / "fairseq-train", *fault_args(data, save_dir, *BASE, *extra)]
     return run(cmd, env, check)
 
