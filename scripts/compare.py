@@ -101,12 +101,14 @@ def _num(v):
 
 
 def read_generate_output(path: Path):
-    """Hypotheses (D- lines, else H-) and references (T-) in sentence-id order."""
-    hyps, dets, refs = {}, {}, {}
+    """Hypotheses (D- lines, else H-), references (T-) and sources (S-) in sentence-id order."""
+    hyps, dets, refs, srcs = {}, {}, {}, {}
     for line in path.read_text().splitlines():
         head, _, rest = line.partition("\t")
         if head.startswith("T-"):
             refs[int(head[2:])] = rest
+        elif head.startswith("S-"):
+            srcs[int(head[2:])] = rest
         elif head.startswith("H-"):
             hyps[int(head[2:])] = rest.split("\t", 1)[1] if "\t" in rest else ""
         elif head.startswith("D-"):
@@ -116,17 +118,7 @@ def read_generate_output(path: Path):
     missing = [i for i in ids if i not in hyps]
     if missing:
         raise SystemExit(f"{path}: no hypothesis for {len(missing)} sentences (e.g. {missing[:5]})")
-    return [hyps[i] for i in ids], [refs[i] for i in ids]
-
-
-def read_sources(path: Path):
-    """Source sentences (S- lines) in sentence-id order."""
-    srcs = {}
-    for line in path.read_text().splitlines():
-        head, _, rest = line.partition("\t")
-        if head.startswith("S-"):
-            srcs[int(head[2:])] = rest
-    return [srcs[i] for i in sorted(srcs)]
+    return [hyps[i] for i in ids], [refs[i] for i in ids], [srcs.get(i, "") for i in ids]
 
 
 def short_ids(sources, max_words: int):
@@ -173,15 +165,15 @@ def run_mode(mode: str, a, out: Path) -> dict:
                 "--required-batch-size-multiple", "1", *shlex.split(a.gen_args), *spec["flags"]]
     g_stats = run_with_stats(run_dir / "generate_stats.json", "fairseq-generate", gen_args,
                              run_dir / "generate.out")
-    hyps, refs = read_generate_output(gen_dir / f"generate-{a.gen_subset}.txt")
+    hyps, refs, srcs = read_generate_output(gen_dir / f"generate-{a.gen_subset}.txt")
     (run_dir / "hyps.txt").write_text("".join(h + "\n" for h in hyps))
     (run_dir / "refs.txt").write_text("".join(r + "\n" for r in refs))
     scores = score(hyps, refs)
     print(f"   [{mode}] BLEU {scores['bleu']}  chrF {scores['chrf']}  ({len(hyps)} sentences)",
           flush=True)
     if a.short_max_words:
-        ids = short_ids(read_sources(gen_dir / f"generate-{a.gen_subset}.txt"), a.short_max_words)
-        scores["short"] = {"max_words": a.short_max_words, "n_sentences": len(ids),
+        ids = short_ids(srcs, a.short_max_words)
+        scores["short"] = {"max_words": a.short_max_words, "n_sentences": len(ids), "ids": ids,
                            **score([hyps[i] for i in ids], [refs[i] for i in ids])}
         print(f"   [{mode}] sources of <= {a.short_max_words} words: BLEU {scores['short']['bleu']}  "
               f"chrF {scores['short']['chrf']}  ({len(ids)} sentences)", flush=True)

@@ -11,10 +11,7 @@ against fp32) and ``OUT/valid_loss_updates.png``, ``OUT/valid_loss_wall.png``,
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 COLUMNS = [
     "mode", "updates", "updates/s", "x fp32", "words/s", "x fp32", "peak mem MB", "x fp32",
@@ -205,12 +202,8 @@ def main(argv=None) -> None:
     short = results[0]["generate"].get("short")
     short_p = {}
     if short and all("short" in r["generate"] for r in results):
-        from compare import read_sources, short_ids
-
-        gen0 = a.out / "fp32" / "generate" / f"generate-{g0['subset']}.txt"
-        ids = short_ids(read_sources(gen0), short["max_words"]) if gen0.exists() else None
-        if ids is not None:
-            short_p = paired_bootstrap(a.out, results, a.bootstrap, ids)
+        if short.get("ids") is not None:  # results written before compare.py stored the ids
+            short_p = paired_bootstrap(a.out, results, a.bootstrap, short["ids"])
         md += [f"Sentences whose source has at most {short['max_words']} words "
                f"({short['n_sentences']} of {g0['n_sentences']}), scored the same way:", "",
                short_table(results, short_p), ""]

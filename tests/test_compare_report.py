@@ -68,6 +68,7 @@ def test_short_source_subset_is_scored_and_reported(compared):
     short = r["generate"]["short"]
     assert (short["max_words"], short["n_sentences"]) == (7, len(ids))
     pos = {k: i for i, k in enumerate(sorted(srcs))}
+    assert short["ids"] == [pos[k] for k in ids]
     expected = BLEU().corpus_score([hyps[pos[k]] for k in ids], [[refs[pos[k]] for k in ids]]).score
     assert short["bleu"] == round(expected, 2)
     md = (out / "report.md").read_text()
