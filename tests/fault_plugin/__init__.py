@@ -40,6 +40,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 
 import fairseq_fp16  # noqa: F401  (registers the plugin; installs its hook)
 from fairseq_fp16 import trainer_hook
+from fairseq_fp16.optim.mixed_precision import _rank
 
 
 @dataclass
@@ -66,11 +67,6 @@ class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
         if os.environ.get("FAULT_DUMP_DIR"):
             atexit.register(self._dump)
 
-    @staticmethod
-    def _rank() -> int:
-        dist = torch.distributed
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
     def _dump(self) -> None:
         if self.model is None:
             return
@@ -78,15 +74,15 @@ class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
         for name, p in sorted(self.model.state_dict().items()):
             h.update(name.encode())
             h.update(p.detach().float().cpu().numpy().tobytes())
-        path = os.path.join(os.environ["FAULT_DUMP_DIR"], f"rank{self._rank()}.json")
+        path = os.path.join(os.environ["FAULT_DUMP_DIR"], f"rank{_rank()}.json")
         with open(path, "w") as f:
-            json.dump({"rank": self._rank(), "forwards": self.forwards, "sha256": h.hexdigest()}, f)
+            json.dump({"rank": _rank(), "forwards": self.forwards, "sha256": h.hexdigest()}, f)
 
     def _due(self) -> bool:
         n = self.forwards
         if self.fault == "none" or self.fault_at <= 0 or n < self.fault_at:
             return False
-        if self.fault_rank >= 0 and self._rank() != self.fault_rank:
+        if self.fault_rank >= 0 and _rank() != self.fault_rank:
             return False
         if n == self.fault_at:
             return True
