@@ -88,3 +88,21 @@ def test_filter_train_keeps_pairs_short_on_both_sides(tmp_path):
     assert (prefix, kept, total) == ("train.max3", 2, 4)
     assert (tmp_path / "train.max3.en").read_text() == "a b\na b c\n"
     assert (tmp_path / "train.max3.de").read_text() == "x y z\ny\n"
+
+
+def test_fetch_passes_apt_absolute_folders_for_a_relative_out(tmp_path, monkeypatch):
+    # apt-get resolves a relative Dir::State::Lists under /var/lib/apt, not the working folder
+    import pytest
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return pd.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(pd.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit, match="could not fetch Debian's Translation-de index"):
+        pd.fetch_indexes(pd.Path("rel") / "apt", "de")
+    opts = [a for a in seen[0] if a.startswith("Dir::")]
+    assert opts == [f"Dir::State::Lists={tmp_path}/rel/apt/lists", f"Dir::Cache={tmp_path}/rel/apt/cache"]

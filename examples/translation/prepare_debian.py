@@ -124,6 +124,9 @@ def split_of(group: str, valid_pct: float, test_pct: float) -> str:
 # ------------------------------------------------------------------------------ steps
 def fetch_indexes(apt_dir: Path, lang: str) -> Tuple[str, str]:
     """apt-get update into apt_dir; returns the English and <lang> index texts."""
+    # apt reads a relative Dir::State::Lists under its own Dir::State (/var/lib/apt):
+    # a relative --out would write into the system's apt folder and find nothing here.
+    apt_dir = apt_dir.resolve()
     lists = apt_dir / "lists"
     if not list(lists.glob(f"*_i18n_Translation-{lang}*")):
         (lists / "partial").mkdir(parents=True, exist_ok=True)
