@@ -13,6 +13,8 @@ setup(
         "fairseq-fixed==0.12.3.1",
         "sacrebleu>=2.4",
         "sentencepiece",
+        # Moses-style sentence splitting for the Debian corpus (examples/translation)
+        "sentence-splitter",
     ],
     extras_require={
         "test": ["pytest>=7"],

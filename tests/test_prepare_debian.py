@@ -47,7 +47,46 @@ Description-de: foo-Bibliothek - Entwicklungsdateien
 def test_split_description_into_short_and_paragraphs():
     short, paras = pd.split_description("tools for foo\n Foo tools read foo files\n and write bar files.\n .\n This package holds the tools.")
     assert short == "tools for foo"
-    assert paras == ["Foo tools read foo files and write bar files.", "This package holds the tools."]
+    assert paras == ["Foo tools read foo files\nand write bar files.", "This package holds the tools."]
+    assert pd.flat(paras[0]) == "Foo tools read foo files and write bar files."
+
+
+def test_paragraph_items_start_at_list_markers():
+    para = "It offers:\n * fast scans\n   of large disks\n - reports\n 2. an applet\nover-long-word - not a list"
+    assert pd.paragraph_items(para) == [
+        "It offers:", "* fast scans of large disks", "- reports", "2. an applet over-long-word - not a list"]
+
+
+ALIGN = pd.SentenceAligner("de")
+
+
+def test_aligner_splits_items_then_sentences_where_counts_agree():
+    en = "Brasero burns CDs. It is simple, e.g. for audio. It features:\n * on-the-fly burning\n * multisession"
+    de = "Brasero brennt CDs. Es ist einfach, z. B. für Audio. Es kann:\n * On-the-fly-Brennen\n * Multisession"
+    assert ALIGN(en, de) == [
+        ("Brasero burns CDs.", "Brasero brennt CDs."),
+        ("It is simple, e.g. for audio.", "Es ist einfach, z. B. für Audio."),
+        ("It features:", "Es kann:"),
+        ("* on-the-fly burning", "* On-the-fly-Brennen"),
+        ("* multisession", "* Multisession"),
+    ]
+
+
+def test_aligner_keeps_units_whole_when_counts_or_lengths_disagree():
+    # 2 English sentences, 3 German ones: the pair stays whole
+    en, de = "Hnb is orphaned. Nobody adds features.", "Hnb ist verwaist. Niemand pflegt es. Es gibt keine Funktionen."
+    assert ALIGN(en, de) == [(en, de)]
+    # same count, but the split is at different places (lengths far off the pair's ratio)
+    en, de = "A. This sentence is a rather long one with many words in it.", "Dies ist ein ziemlich langer Satz mit vielen Wörtern darin. B."
+    assert ALIGN(en, de) == [(en, de)]
+    # 2 list items against 1: the items are not paired, the sentences still are
+    en, de = "Tools:\n * a\n * b", "Werkzeuge: a und b"
+    assert ALIGN(en, de) == [("Tools: * a * b", "Werkzeuge: a und b")]
+
+
+def test_aligner_without_a_sentence_splitter_for_the_language_pairs_items_only():
+    ja = pd.SentenceAligner("ja")
+    assert ja("One. Two.\n * x", "Ichi. Ni.\n * y") == [("One. Two.", "Ichi. Ni."), ("* x", "* y")]
 
 
 def test_pairs_by_md5_short_always_long_only_when_paragraphs_match():
@@ -59,6 +98,14 @@ def test_pairs_by_md5_short_always_long_only_when_paragraphs_match():
         # bbb: 3 English paragraphs against 1 German one: only the short descriptions pair
         ("foo library - development files", "foo-Bibliothek - Entwicklungsdateien", "libfoo-dev"),
     ]
+
+
+def test_pairs_split_into_sentences_with_an_aligner():
+    pairs = pd.pair_descriptions(pd.descriptions(EN.replace("foo files\n and", "foo files.\n They"), "en"),
+                                 pd.descriptions(DE.replace("foo-Dateien\n und", "foo-Dateien.\n Sie"), "de"),
+                                 ALIGN)
+    assert pairs[1:3] == [("Foo tools read foo files.", "Foo-Werkzeuge lesen foo-Dateien.", "foo-utils"),
+                          ("They write bar files.", "Sie schreiben bar-Dateien.", "foo-utils")]
 
 
 def test_package_families_group_variants_together():
@@ -106,3 +153,27 @@ def test_fetch_passes_apt_absolute_folders_for_a_relative_out(tmp_path, monkeypa
         pd.fetch_indexes(pd.Path("rel") / "apt", "de")
     opts = [a for a in seen[0] if a.startswith("Dir::")]
     assert opts == [f"Dir::State::Lists={tmp_path}/rel/apt/lists", f"Dir::Cache={tmp_path}/rel/apt/cache"]
+
+
+def test_a_cached_corpus_built_with_other_segments_is_rebuilt(tmp_path, monkeypatch, capsys):
+    en = EN.replace("foo files\n and", "foo files.\n They")
+    de = DE.replace("foo-Dateien\n und", "foo-Dateien.\n Sie")
+    monkeypatch.setattr(pd, "fetch_indexes", lambda apt, lang: (en, de))
+    monkeypatch.setattr(pd, "train_spm", lambda *a: None)
+
+    def encode(raw, spm_dir, model, lang):
+        spm_dir.mkdir(parents=True, exist_ok=True)
+        (spm_dir / f"test.{lang}").write_text("")
+
+    monkeypatch.setattr(pd, "encode", encode)
+    monkeypatch.setattr(pd, "preprocess", lambda *a, **k: None)
+    out = tmp_path / "c"
+    # test-pct 100: every pair lands in test
+    pd.main(["--out", str(out), "--test-pct", "100", "--no-sentences"])
+    assert (out / "raw" / "test.en").read_text().count("\n") == 4
+    pd.main(["--out", str(out), "--test-pct", "100", "--no-sentences"])
+    assert "rebuilding" not in capsys.readouterr().out
+    pd.main(["--out", str(out), "--test-pct", "100"])
+    assert "built with other segments; rebuilding it with sentences" in capsys.readouterr().out
+    assert (out / "raw" / "test.en").read_text().count("\n") == 5
+    assert (out / "raw" / "SEGMENTS").read_text() == "sentences\n"

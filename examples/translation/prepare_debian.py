@@ -9,7 +9,9 @@ Project) are human translations that apt fetches as index files. This script:
    machine already has;
 2. pairs the English and <lang> stanzas by ``Description-md5``: the short
    descriptions, and the long descriptions paragraph by paragraph where both
-   have the same number of paragraphs; deduplicates;
+   have the same number of paragraphs; splits a paragraph pair further into list
+   items and sentences where both sides have the same number of them (off with
+   ``--no-sentences``); deduplicates;
 3. splits train/valid/test by package family (a normalised name prefix,
    hashed), never by line, so formulaic descriptions of one family do not leak
    from train into test; the split is deterministic;
@@ -58,7 +60,11 @@ def parse_stanzas(text: str) -> Iterator[Dict[str, str]]:
 
 
 def split_description(desc: str) -> Tuple[str, List[str]]:
-    """(short description, long-description paragraphs); ' .' lines separate paragraphs."""
+    """(short description, long-description paragraphs); ' .' lines separate paragraphs.
+
+    A paragraph keeps its line breaks: a line starting with a list marker begins a list item
+    (see ``paragraph_items``); ``flat`` joins the lines.
+    """
     lines = desc.split("\n")
     short = lines[0].strip()
     paragraphs, cur = [], []
@@ -66,13 +72,78 @@ def split_description(desc: str) -> Tuple[str, List[str]]:
         body = line[1:] if line.startswith(" ") else line
         if body.strip() == ".":
             if cur:
-                paragraphs.append(" ".join(cur))
+                paragraphs.append("\n".join(cur))
             cur = []
-        else:
-            cur.append(body.strip())
+        elif body.strip():
+            cur.append(body.rstrip())
     if cur:
-        paragraphs.append(" ".join(cur))
-    return short, [re.sub(r"\s+", " ", p).strip() for p in paragraphs if p.strip()]
+        paragraphs.append("\n".join(cur))
+    return short, paragraphs
+
+
+def flat(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+LIST_MARKER = re.compile(r"^\s*([*+\-o\u2022]|\d+[.)])\s+")
+
+
+def paragraph_items(paragraph: str) -> List[str]:
+    """The paragraph's list items: a new item starts at each line that begins with a list
+    marker (``*``, ``-``, ``+``, ``o``, a bullet, ``1.``); the text before the first one is an
+    item too."""
+    items: List[List[str]] = []
+    for line in paragraph.split("\n"):
+        if not items or LIST_MARKER.match(line):
+            items.append([])
+        items[-1].append(line)
+    return [flat(" ".join(i)) for i in items if flat(" ".join(i))]
+
+
+class SentenceAligner:
+    """Splits an aligned pair of paragraphs into aligned sentence pairs where that is safe.
+
+    Translators of package descriptions keep the paragraphs and almost always the list items
+    and sentences of the English text. A paragraph pair is split into its list items when both
+    sides have the same number of items, and an item pair into sentences (Moses-style
+    splitting with each language's non-breaking prefixes, from the ``sentence-splitter``
+    package) when both have the same number of sentences and every sentence pair's length
+    ratio is within a factor ``max_ratio`` of the whole pair's; otherwise the unit stays whole.
+    Languages the splitter does not know are split into list items only.
+    """
+
+    def __init__(self, lang: str, max_ratio: float = 2.5):
+        from sentence_splitter import SentenceSplitter, SentenceSplitterException
+
+        def splitter(code):
+            try:
+                return SentenceSplitter(language=code).split
+            except SentenceSplitterException:
+                return None
+
+        self.en, self.xx = splitter("en"), splitter(lang)
+        self.max_ratio = max_ratio
+
+    def _ratio_ok(self, a: List[str], b: List[str]) -> bool:
+        whole = max(1, sum(map(len, b))) / max(1, sum(map(len, a)))
+        for x, y in zip(a, b):
+            r = max(1, len(y)) / max(1, len(x)) / whole
+            if not 1 / self.max_ratio <= r <= self.max_ratio:
+                return False
+        return True
+
+    def _sentences(self, s: str, t: str) -> List[Tuple[str, str]]:
+        if self.en and self.xx:
+            a, b = self.en(s), self.xx(t)
+            if 1 < len(a) == len(b) and self._ratio_ok(a, b):
+                return list(zip(a, b))
+        return [(s, t)]
+
+    def __call__(self, en_paragraph: str, xx_paragraph: str) -> List[Tuple[str, str]]:
+        a, b = paragraph_items(en_paragraph), paragraph_items(xx_paragraph)
+        if len(a) != len(b) or not self._ratio_ok(a, b):
+            a, b = [flat(en_paragraph)], [flat(xx_paragraph)]
+        return [p for x, y in zip(a, b) for p in self._sentences(x, y)]
 
 
 def descriptions(text: str, lang: str) -> Dict[str, Tuple[str, str]]:
@@ -85,8 +156,14 @@ def descriptions(text: str, lang: str) -> Dict[str, Tuple[str, str]]:
     return out
 
 
-def pair_descriptions(en: Dict[str, Tuple[str, str]], xx: Dict[str, Tuple[str, str]]) -> List[Tuple[str, str, str]]:
-    """(english, translation, package) pairs, deduplicated, in a stable order."""
+def pair_descriptions(en: Dict[str, Tuple[str, str]], xx: Dict[str, Tuple[str, str]],
+                      align=None) -> List[Tuple[str, str, str]]:
+    """(english, translation, package) pairs, deduplicated, in a stable order.
+
+    ``align(en_paragraph, xx_paragraph)`` -> sentence pairs (a ``SentenceAligner``); without
+    it each paragraph is one pair.
+    """
+    align = align or (lambda s, t: [(flat(s), flat(t))])
     pairs, seen = [], set()
     for md5 in sorted(set(en) & set(xx)):
         pkg, en_desc = en[md5]
@@ -95,7 +172,7 @@ def pair_descriptions(en: Dict[str, Tuple[str, str]], xx: Dict[str, Tuple[str, s
         xx_short, xx_long = split_description(xx_desc)
         cands = [(en_short, xx_short)]
         if len(en_long) == len(xx_long):
-            cands += list(zip(en_long, xx_long))
+            cands += [p for s, t in zip(en_long, xx_long) for p in align(s, t)]
         for s, t in cands:
             if s and t and (s, t) not in seen and "\t" not in s + t:
                 seen.add((s, t))
@@ -225,19 +302,30 @@ def main(argv: Iterable[str] = None) -> None:
     ap.add_argument("--test-pct", type=float, default=3.0, help="%% of package families for test")
     ap.add_argument("--max-train-tokens", type=int, default=0,
                     help="also write bin-max<N>: training pairs of <= N tokens per side (0 = off)")
+    ap.add_argument("--no-sentences", dest="sentences", action="store_false",
+                    help="keep each long-description paragraph as one segment (default: split "
+                         "aligned paragraphs into list items and sentences where both sides agree)")
     a = ap.parse_args(argv)
     if a.max_train_tokens < 0:
         ap.error(f"--max-train-tokens must be >= 0 (0 = off), got {a.max_train_tokens}")
     out = a.out or Path("data") / f"debian-en{a.lang}"
     raw, spm_dir, bin_dir = out / "raw", out / "spm", out / "bin"
+    segments = "sentences" if a.sentences else "paragraphs"
+    stamp = raw / "SEGMENTS"
+    if (raw / "test.en").exists() and (not stamp.exists() or stamp.read_text().strip() != segments):
+        print(f"=== {out} was built with other segments; rebuilding it with {segments}", flush=True)
+        for old in [raw, spm_dir, *out.glob("bin*")]:
+            shutil.rmtree(old)
     if not (raw / "test.en").exists():
         print(f"=== [1/4] fetching Debian's English and {a.lang} description indexes", flush=True)
         en_text, xx_text = fetch_indexes(out / "apt", a.lang)
         print("=== [2/4] pairing descriptions and splitting by package family", flush=True)
-        pairs = pair_descriptions(descriptions(en_text, "en"), descriptions(xx_text, a.lang))
+        align = SentenceAligner(a.lang) if a.sentences else None
+        pairs = pair_descriptions(descriptions(en_text, "en"), descriptions(xx_text, a.lang), align)
         if not pairs:
             raise SystemExit(f"no en-{a.lang} description pairs found in the fetched indexes")
         counts = write_splits(pairs, raw, a.lang, a.valid_pct, a.test_pct)
+        stamp.write_text(segments + "\n")
         print(f"    {sum(counts.values())} pairs: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     if not (spm_dir / f"test.{a.lang}").exists():
         print(f"=== [3/4] joint sentencepiece model ({a.vocab} pieces) and encoding", flush=True)
