@@ -122,10 +122,20 @@ def test_split_is_deterministic_by_group_and_sized():
     assert 0.02 < frac["test"] < 0.04 and 0.01 < frac["valid"] < 0.03
 
 
-def test_write_splits_keeps_a_family_in_one_split(tmp_path):
+def test_split_pairs_keeps_a_family_in_one_split():
     pairs = [(f"s{i}", f"t{i}", name) for i, name in enumerate(["libzap-dev", "zap", "zap-doc"] * 20)]
-    counts = pd.write_splits(pairs, tmp_path, "de", 30.0, 30.0)
-    assert sorted(counts.values()) == [0, 0, 60]
+    splits = pd.split_pairs(pairs, 30.0, 30.0)
+    assert sorted(map(len, splits.values())) == [0, 0, 60]
+
+
+def test_split_pairs_drops_held_out_pairs_whose_source_is_in_train():
+    fams = [f"fam{i}" for i in range(200)]
+    where = {f: pd.split_of(pd.package_family(f), 10.0, 10.0) for f in fams}
+    pairs = [(f"{f} text", "t", f) for f in fams] + [("shared line", f"t {f}", f) for f in fams]
+    splits = pd.split_pairs(pairs, 10.0, 10.0)
+    for split in ("valid", "test"):
+        assert sorted(s for s, _ in splits[split]) == sorted(f"{f} text" for f in fams if where[f] == split)
+    assert sum(s == "shared line" for s, _ in splits["train"]) == sum(w == "train" for w in where.values())
 
 
 def test_filter_train_keeps_pairs_short_on_both_sides(tmp_path):
@@ -155,10 +165,40 @@ def test_fetch_passes_apt_absolute_folders_for_a_relative_out(tmp_path, monkeypa
     assert opts == [f"Dir::State::Lists={tmp_path}/rel/apt/lists", f"Dir::Cache={tmp_path}/rel/apt/cache"]
 
 
-def test_a_cached_corpus_built_with_other_segments_is_rebuilt(tmp_path, monkeypatch, capsys):
+# Hand-written pages in the help's HTML form (not LibreOffice text).
+HELP_EN = """<html><body><h1 id="hd_id1" dir="auto">Standard Filter</h1>
+<p id="par_id2" class="paragraph"><span class="avis">Sets the <a href="x.html">filter</a>
+options.</span></p><p id="par_id3">LibreOffice</p><p id="par_id4">12</p><p>no id</p>
+<p id="par_id5">Only in English.</p><p id="par_id2">A repeated id keeps the first text.</p></body></html>"""
+HELP_DE = """<html><body><h1 id="hd_id1" dir="auto">Standardfilter</h1>
+<p id="par_id2" class="paragraph"><span class="avis">Legt die <a href="x.html">Filter</a>optionen
+fest.</span></p><p id="par_id3">LibreOffice</p><p id="par_id4">12</p></body></html>"""
+
+
+def write_help(root, lang, page, name="text/scalc/f.html"):
+    (root / lang / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / lang / name).write_text(page)
+    return root / lang
+
+
+def test_help_pages_pair_by_file_and_paragraph_id(tmp_path):
+    en = pd.help_paragraphs(write_help(tmp_path, "en-US", HELP_EN))
+    de = pd.help_paragraphs(write_help(tmp_path, "de", HELP_DE))
+    assert en[("text/scalc/f.html", "par_id2")] == "Sets the filter options."
+    # untranslated (LibreOffice) and letterless (12) paragraphs are left out; par_id5 has no German
+    assert pd.pair_help(en, de) == [
+        ("Standard Filter", "Standardfilter", "text/scalc/f.html"),
+        ("Sets the filter options.", "Legt die Filteroptionen fest.", "text/scalc/f.html"),
+    ]
+
+
+def test_a_cached_corpus_built_another_way_is_rebuilt_and_help_becomes_test1(tmp_path, monkeypatch, capsys):
     en = EN.replace("foo files\n and", "foo files.\n They")
     de = DE.replace("foo-Dateien\n und", "foo-Dateien.\n Sie")
     monkeypatch.setattr(pd, "fetch_indexes", lambda apt, lang: (en, de))
+    help_root = tmp_path / "help"
+    help_dirs = (write_help(help_root, "en-US", HELP_EN), write_help(help_root, "de", HELP_DE))
+    monkeypatch.setattr(pd, "fetch_help", lambda apt, lang: help_dirs)
     monkeypatch.setattr(pd, "train_spm", lambda *a: None)
 
     def encode(raw, spm_dir, model, lang):
@@ -174,6 +214,21 @@ def test_a_cached_corpus_built_with_other_segments_is_rebuilt(tmp_path, monkeypa
     pd.main(["--out", str(out), "--test-pct", "100", "--no-sentences"])
     assert "rebuilding" not in capsys.readouterr().out
     pd.main(["--out", str(out), "--test-pct", "100"])
-    assert "built with other segments; rebuilding it with sentences" in capsys.readouterr().out
+    assert "was built another way; rebuilding it (sentences)" in capsys.readouterr().out
     assert (out / "raw" / "test.en").read_text().count("\n") == 5
-    assert (out / "raw" / "SEGMENTS").read_text() == "sentences\n"
+    assert not (out / "raw" / "test-help.en").exists()
+    pd.main(["--out", str(out), "--test-pct", "100", "--libreoffice"])
+    assert "rebuilding it (sentences libreoffice)" in capsys.readouterr().out
+    assert (out / "raw" / "test-help.de").read_text() == "Standardfilter\nLegt die Filteroptionen fest.\n"
+    assert (out / "raw" / "RECIPE").read_text() == "sentences libreoffice\n"
+
+
+def test_preprocess_binarises_help_as_a_second_test_subset(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(pd.subprocess, "run", lambda cmd, **kw: seen.append(cmd))
+    (tmp_path / "test.en").write_text("")
+    pd.preprocess(tmp_path, tmp_path / "bin", "de")
+    (tmp_path / "test-help.en").write_text("")
+    pd.preprocess(tmp_path, tmp_path / "bin", "de")
+    tests = [cmd[cmd.index("--testpref") + 1] for cmd in seen]
+    assert tests == [f"{tmp_path}/test", f"{tmp_path}/test,{tmp_path}/test-help"]

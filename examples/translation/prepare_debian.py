@@ -14,19 +14,23 @@ Project) are human translations that apt fetches as index files. This script:
    ``--no-sentences``); deduplicates;
 3. splits train/valid/test by package family (a normalised name prefix,
    hashed), never by line, so formulaic descriptions of one family do not leak
-   from train into test; the split is deterministic;
+   from train into test, and drops held-out pairs whose English text also occurs
+   in train; the split is deterministic;
 4. trains a joint sentencepiece model on the training pairs, encodes every
    split, and runs ``fairseq-preprocess`` with a joined dictionary.
 
     python examples/translation/prepare_debian.py --lang de --out data/debian-ende
 
-``--max-train-tokens N`` keeps only the training pairs of at most N
-sentencepiece tokens on both sides (valid and test stay whole) and writes
+``--libreoffice`` adds LibreOffice's help pages (MPL-2.0), a second corpus aligned
+exactly by paragraph id: its training files join train, its held-out files become
+the ``test1`` subset. ``--max-train-tokens N`` keeps only the training pairs of at
+most N sentencepiece tokens on both sides (valid and test stay whole) and writes
 ``bin-max<N>`` beside ``bin``: on a CPU, short pairs teach the model faster.
 
 Each step is skipped when its output exists (delete the folder to rebuild).
 The descriptions are archive metadata without an explicit license: the data is
-fetched at run time and not committed.
+fetched at run time and not committed. A rebuild with other segmenting or sources
+replaces the cached folder's data.
 """
 
 import argparse
@@ -36,6 +40,7 @@ import re
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Tuple
 
@@ -180,6 +185,61 @@ def pair_descriptions(en: Dict[str, Tuple[str, str]], xx: Dict[str, Tuple[str, s
     return pairs
 
 
+HELP_ID = re.compile(r"^(par|hd)_id\d+")
+
+
+class _HelpParagraphs(HTMLParser):
+    """Text of the elements whose id is a LibreOffice help paragraph id (``par_id…``, ``hd_id…``)."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.found: Dict[str, str] = {}
+        self._cur = None  # [tag, nesting depth of that tag, id, text parts]
+
+    def handle_starttag(self, tag, attrs):
+        if self._cur is None:
+            ident = dict(attrs).get("id") or ""
+            if HELP_ID.match(ident):
+                self._cur = [tag, 0, ident, []]
+        elif tag == self._cur[0]:
+            self._cur[1] += 1
+
+    def handle_endtag(self, tag):
+        if self._cur is not None and tag == self._cur[0]:
+            if self._cur[1] == 0:
+                self.found.setdefault(self._cur[2], flat("".join(self._cur[3])))
+                self._cur = None
+            else:
+                self._cur[1] -= 1
+
+    def handle_data(self, data):
+        if self._cur is not None:
+            self._cur[3].append(data)
+
+
+def help_paragraphs(root: Path) -> Dict[Tuple[str, str], str]:
+    """{(help file relative to root, paragraph id): text} for one language's help pages."""
+    out = {}
+    for f in sorted(root.rglob("*.html")):
+        parser = _HelpParagraphs()
+        parser.feed(f.read_text(errors="replace"))
+        rel = f.relative_to(root).as_posix()
+        out.update({(rel, ident): text for ident, text in parser.found.items()})
+    return out
+
+
+def pair_help(en: Dict[Tuple[str, str], str], xx: Dict[Tuple[str, str], str]) -> List[Tuple[str, str, str]]:
+    """(english, translation, help file) pairs by (file, id), deduplicated; untranslated
+    paragraphs (the same text on both sides) and ones without a letter are left out."""
+    pairs, seen = [], set()
+    for key in sorted(set(en) & set(xx)):
+        s, t = en[key], xx[key]
+        if s and t and s != t and re.search(r"[^\W\d_]", s) and (s, t) not in seen and "\t" not in s + t:
+            seen.add((s, t))
+            pairs.append((s, t, key[0]))
+    return pairs
+
+
 def package_family(pkg: str) -> str:
     """Normalised name prefix: 'libfoo-dev', 'foo-doc', 'python3-foo' -> 'foo'."""
     name = re.sub(r"^(lib|python3?-|ruby-|node-|golang-|r-cran-|php-|perl-|lib)", "", pkg.lower())
@@ -232,16 +292,52 @@ def fetch_indexes(apt_dir: Path, lang: str) -> Tuple[str, str]:
     return read("*_i18n_Translation-en*"), read(f"*_i18n_Translation-{lang}*")
 
 
-def write_splits(pairs, raw: Path, lang: str, valid_pct: float, test_pct: float) -> Dict[str, int]:
-    raw.mkdir(parents=True, exist_ok=True)
+def fetch_help(apt_dir: Path, lang: str) -> Tuple[Path, Path]:
+    """``apt-get download`` the English and <lang> LibreOffice help packages (with the private
+    lists of ``fetch_indexes``) and unpack them; returns the two languages' help folders."""
+    apt_dir = apt_dir.resolve()
+    root = apt_dir / "libreoffice"
+    help_dir = root / "usr" / "share" / "libreoffice" / "help"
+    en, xx = help_dir / "en-US", help_dir / lang
+    if en.is_dir() and xx.is_dir():
+        return en, xx
+    debs = apt_dir / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    pkgs = ["libreoffice-help-en-us", f"libreoffice-help-{lang}"]
+    cmd = ["apt-get", "-q", "-o", f"Dir::State::Lists={apt_dir / 'lists'}", "-o",
+           f"Dir::Cache={apt_dir / 'cache'}", "download", *pkgs]
+    print("    " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=debs)
+    if proc.returncode != 0:
+        raise SystemExit(f"apt-get download could not fetch {' and '.join(pkgs)} (exit {proc.returncode}); "
+                         f"is the archive reachable, and does Debian ship LibreOffice help in '{lang}'?\n"
+                         f"{proc.stderr[-1500:]}")
+    for pkg in pkgs:
+        deb = next(debs.glob(f"{pkg}_*.deb"))
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    if not (en.is_dir() and xx.is_dir()):
+        raise SystemExit(f"the LibreOffice help packages hold no {en} and {xx}")
+    return en, xx
+
+
+def split_pairs(pairs, valid_pct: float, test_pct: float, group=package_family) -> Dict[str, List[Tuple[str, str]]]:
+    """{"train", "valid", "test": [(english, translation)]} split by ``group(third field)``, so
+    that one package family (or help file) lands in one split. Held-out pairs whose English
+    text also occurs in train are dropped (formulaic lines recur across families)."""
     buckets: Dict[str, List[Tuple[str, str]]] = {"train": [], "valid": [], "test": []}
-    for s, t, pkg in pairs:
-        buckets[split_of(package_family(pkg), valid_pct, test_pct)].append((s, t))
+    for s, t, key in pairs:
+        buckets[split_of(group(key), valid_pct, test_pct)].append((s, t))
+    seen = {s for s, _ in buckets["train"]}
+    for split in ("valid", "test"):
+        buckets[split] = [(s, t) for s, t in buckets[split] if s not in seen]
     random.Random(1).shuffle(buckets["train"])
-    for split, rows in buckets.items():
-        (raw / f"{split}.en").write_text("".join(s + "\n" for s, _ in rows))
-        (raw / f"{split}.{lang}").write_text("".join(t + "\n" for _, t in rows))
-    return {k: len(v) for k, v in buckets.items()}
+    return buckets
+
+
+def write_pairs(rows: List[Tuple[str, str]], raw: Path, name: str, lang: str) -> None:
+    raw.mkdir(parents=True, exist_ok=True)
+    (raw / f"{name}.en").write_text("".join(s + "\n" for s, _ in rows))
+    (raw / f"{name}.{lang}").write_text("".join(t + "\n" for _, t in rows))
 
 
 def train_spm(raw: Path, spm_dir: Path, lang: str, vocab: int) -> Path:
@@ -265,7 +361,9 @@ def encode(raw: Path, spm_dir: Path, model: Path, lang: str) -> None:
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    for split in ("train", "valid", "test"):
+    for split in ("train", "valid", "test", "test-help"):
+        if not (raw / f"{split}.en").exists():
+            continue
         for side in ("en", lang):
             lines = (raw / f"{split}.{side}").read_text().splitlines()
             out = spm_dir / f"{split}.{side}"
@@ -284,9 +382,11 @@ def filter_train(spm_dir: Path, lang: str, max_tokens: int) -> Tuple[str, int, i
 
 
 def preprocess(spm_dir: Path, bin_dir: Path, lang: str, train: str = "train") -> None:
+    """Binarise; with LibreOffice help its held-out pairs become the ``test1`` subset."""
+    tests = [str(spm_dir / t) for t in ("test", "test-help") if (spm_dir / f"{t}.en").exists()]
     cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en", "--target-lang", lang,
            "--trainpref", str(spm_dir / train), "--validpref", str(spm_dir / "valid"),
-           "--testpref", str(spm_dir / "test"), "--destdir", str(bin_dir), "--joined-dictionary",
+           "--testpref", ",".join(tests), "--destdir", str(bin_dir), "--joined-dictionary",
            "--workers", "2"]
     print("    fairseq-preprocess ... --destdir " + str(bin_dir), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -305,15 +405,18 @@ def main(argv: Iterable[str] = None) -> None:
     ap.add_argument("--no-sentences", dest="sentences", action="store_false",
                     help="keep each long-description paragraph as one segment (default: split "
                          "aligned paragraphs into list items and sentences where both sides agree)")
+    ap.add_argument("--libreoffice", action="store_true",
+                    help="add LibreOffice's help pages (MPL-2.0, aligned by paragraph id): their "
+                         "training pairs join train, their held-out files become the test1 subset")
     a = ap.parse_args(argv)
     if a.max_train_tokens < 0:
         ap.error(f"--max-train-tokens must be >= 0 (0 = off), got {a.max_train_tokens}")
     out = a.out or Path("data") / f"debian-en{a.lang}"
     raw, spm_dir, bin_dir = out / "raw", out / "spm", out / "bin"
-    segments = "sentences" if a.sentences else "paragraphs"
-    stamp = raw / "SEGMENTS"
-    if (raw / "test.en").exists() and (not stamp.exists() or stamp.read_text().strip() != segments):
-        print(f"=== {out} was built with other segments; rebuilding it with {segments}", flush=True)
+    recipe = ("sentences" if a.sentences else "paragraphs") + (" libreoffice" if a.libreoffice else "")
+    stamp = raw / "RECIPE"
+    if (raw / "test.en").exists() and (not stamp.exists() or stamp.read_text().strip() != recipe):
+        print(f"=== {out} was built another way; rebuilding it ({recipe})", flush=True)
         for old in [raw, spm_dir, *out.glob("bin*")]:
             shutil.rmtree(old)
     if not (raw / "test.en").exists():
@@ -324,9 +427,23 @@ def main(argv: Iterable[str] = None) -> None:
         pairs = pair_descriptions(descriptions(en_text, "en"), descriptions(xx_text, a.lang), align)
         if not pairs:
             raise SystemExit(f"no en-{a.lang} description pairs found in the fetched indexes")
-        counts = write_splits(pairs, raw, a.lang, a.valid_pct, a.test_pct)
-        stamp.write_text(segments + "\n")
-        print(f"    {sum(counts.values())} pairs: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        splits = split_pairs(pairs, a.valid_pct, a.test_pct)
+        print("    descriptions: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()), flush=True)
+        if a.libreoffice:
+            print(f"    LibreOffice help, English and {a.lang}", flush=True)
+            en_help, xx_help = fetch_help(out / "apt", a.lang)
+            help_pairs = pair_help(help_paragraphs(en_help), help_paragraphs(xx_help))
+            # no valid split: validation stays on the descriptions
+            hs = split_pairs(help_pairs, 0.0, a.test_pct, group=lambda f: "help:" + f)
+            seen = {s for s, _ in splits["train"]}
+            hs["test"] = [(s, t) for s, t in hs["test"] if s not in seen]
+            print(f"    help: train {len(hs['train'])}, test1 {len(hs['test'])}", flush=True)
+            splits["train"] += hs["train"]
+            random.Random(1).shuffle(splits["train"])
+            write_pairs(hs["test"], raw, "test-help", a.lang)
+        for name, rows in splits.items():
+            write_pairs(rows, raw, name, a.lang)
+        stamp.write_text(recipe + "\n")
     if not (spm_dir / f"test.{a.lang}").exists():
         print(f"=== [3/4] joint sentencepiece model ({a.vocab} pieces) and encoding", flush=True)
         model = train_spm(raw, spm_dir, a.lang, a.vocab)
