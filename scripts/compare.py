@@ -14,8 +14,11 @@ plots come from ``scripts/report.py OUT``.
 
 Modes: fp32, fp16, bf16 (the plugin: --task translation_fp16 --optimizer
 fp16_adam) and fp16-stock (stock fairseq --fp16: --task translation
---optimizer adam, no --user-dir; it needs CUDA). Do not put --task,
---optimizer, --seed, --save-dir or precision flags in --train-args.
+--optimizer adam, no --user-dir; it needs CUDA). ``MODE@seedN`` (e.g.
+fp32@seed2) adds a run of MODE with seed N: the seed-to-seed control, whose
+difference to fp32 shows how much two trainings differ without any change of
+precision. Do not put --task, --optimizer, --seed, --save-dir or precision
+flags in --train-args.
 """
 
 import argparse
@@ -37,6 +40,9 @@ MODES = {
     "bf16": {"flags": ["--bf16"], "plugin": True},
     "fp16-stock": {"flags": ["--fp16"], "plugin": False},
 }
+#: ``MODE@seedN``: the mode trained with another seed, e.g. ``fp32@seed2``: a control run whose
+#: difference to fp32 is training-to-training variation alone.
+MODE_SPEC = re.compile(r"^(?P<base>[a-z0-9-]+?)(?:@seed(?P<seed>\d+))?$")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
 
 
@@ -137,8 +143,19 @@ def score(hyps, refs) -> dict:
             "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
 
 
-def run_mode(mode: str, a, out: Path) -> dict:
-    spec = MODES[mode]
+def parse_mode(text: str, seed: int):
+    """``"fp16"`` -> ``("fp16", "fp16", seed)``; ``"fp32@seed2"`` -> ``("fp32-seed2", "fp32", 2)``.
+    None when the base mode is unknown or the text is malformed."""
+    m = MODE_SPEC.match(text)
+    if not m or m["base"] not in MODES:
+        return None
+    if m["seed"] is None:
+        return text, text, seed
+    return f"{m['base']}-seed{int(m['seed'])}", m["base"], int(m["seed"])
+
+
+def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
+    mode, spec = name, MODES[base]
     run_dir = out / mode
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = run_dir / "checkpoints"
@@ -146,7 +163,7 @@ def run_mode(mode: str, a, out: Path) -> dict:
     optimizer = "fp16_adam" if spec["plugin"] else "adam"
     plugin = ["--user-dir", USER_DIR] if spec["plugin"] else []
     log_file = run_dir / "train.out"
-    train_args = [a.data, *plugin, "--task", task, "--optimizer", optimizer, "--seed", a.seed,
+    train_args = [a.data, *plugin, "--task", task, "--optimizer", optimizer, "--seed", seed,
                   "--save-dir", ckpt_dir, "--log-format", "json",
                   *shlex.split(a.train_args), *spec["flags"]]
     banner(f"[{mode}] training: fairseq-train {' '.join(spec['flags']) or '(fp32)'}")
@@ -189,9 +206,10 @@ def run_mode(mode: str, a, out: Path) -> dict:
         return walls[-1] if walls else None
     result = {
         "mode": mode,
+        "base_mode": base,
         "precision_flags": spec["flags"],
         "plugin": spec["plugin"],
-        "seed": a.seed,
+        "seed": seed,
         "train_command": ["fairseq-train", *map(str, train_args)],
         "train": {
             "wall_s": round(t_stats["wall_s"], 2),
@@ -225,18 +243,28 @@ def main(argv=None) -> None:
     ap.add_argument("data", help="fairseq-preprocess output (data-bin) directory")
     ap.add_argument("--out", required=True, type=Path, help="results directory")
     ap.add_argument("--modes", default="fp32,fp16,bf16",
-                    help=f"comma-separated, from {', '.join(MODES)} (fp32 is always run first)")
+                    help=f"comma-separated, from {', '.join(MODES)} (fp32 is always run first); "
+                    "MODE@seedN adds a run of MODE with seed N, e.g. fp32@seed2: the seed-to-seed "
+                    "control for judging the mixed runs' differences")
     ap.add_argument("--train-args", default="", help="model and optimisation flags shared by all modes")
     ap.add_argument("--gen-args", default="--beam 4", help="fairseq-generate flags shared by all modes")
     ap.add_argument("--gen-subset", default="test")
     ap.add_argument("--short-max-words", type=int, default=0,
                     help="also score the sentences whose source has at most N words (0 = off)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep-existing", action="store_true",
+                    help="keep the runs OUT already holds (result.json) when OUT was made with the same "
+                    "data and flags, and run only the missing modes (e.g. add fp32@seed2 to a finished comparison)")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    parsed = [parse_mode(m, a.seed) for m in modes]
+    bad = [m for m, p in zip(modes, parsed) if p is None]
     if bad:
-        ap.error(f"--modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
+        ap.error(f"--modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}, each optionally "
+                 "with @seedN (e.g. fp32@seed2)")
+    same = [m for m, p in zip(modes, parsed) if p[0] != p[1] and p[2] == a.seed]
+    if same:
+        ap.error(f"--modes: {', '.join(same)} uses the main --seed {a.seed}; a control run needs another seed")
     for flag in FORBIDDEN:
         if flag in shlex.split(a.train_args):
             ap.error(f"--train-args must not contain {flag}: compare.py sets it per mode")
@@ -244,14 +272,29 @@ def main(argv=None) -> None:
         ap.error(f"data directory not found: {a.data}")
     if a.short_max_words < 0:
         ap.error(f"--short-max-words must be >= 0 (0 = off), got {a.short_max_words}")
-    modes = ["fp32"] + [m for m in modes if m != "fp32"]
+    runs = [("fp32", "fp32", a.seed)] + list(dict.fromkeys(p for p in parsed if p[0] != "fp32"))
+    modes = [name for name, _, _ in runs]
     a.out.mkdir(parents=True, exist_ok=True)
     settings = {"data": str(a.data), "modes": modes, "train_args": a.train_args, "gen_args": a.gen_args,
                 "gen_subset": a.gen_subset, "short_max_words": a.short_max_words, "seed": a.seed,
                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    keep = set()
+    if a.keep_existing and (a.out / "settings.json").exists():
+        old = json.loads((a.out / "settings.json").read_text())
+        differ = [k for k in ("data", "train_args", "gen_args", "gen_subset", "short_max_words", "seed")
+                  if old.get(k) != settings[k]]
+        if differ:
+            ap.error(f"--keep-existing: {a.out} was made with other {', '.join(differ)}; "
+                     "use another --out or the same flags")
+        keep = {name for name in modes if (a.out / name / "result.json").exists()}
+        settings["started"] = old.get("started", settings["started"])
     results = []
-    for mode in modes:
-        results.append(run_mode(mode, a, a.out))
+    for name, base, seed in runs:
+        if name in keep:
+            banner(f"[{name}] kept: {a.out / name / 'result.json'}")
+            results.append(json.loads((a.out / name / "result.json").read_text()))
+        else:
+            results.append(run_mode(name, base, seed, a, a.out))
     settings["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (a.out / "settings.json").write_text(json.dumps(settings, indent=1))
     banner(f"done: {len(results)} runs in {a.out}; tables and plots: python scripts/report.py {a.out}")

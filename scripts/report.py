@@ -193,6 +193,14 @@ def main(argv=None) -> None:
         f"detokenised; `{g0['bleu_signature']}`, `{g0['chrf_signature']}`.",
         f"- p: sacrebleu paired bootstrap ({a.bootstrap} resamples) of each run against fp32; "
         "p > 0.05 means the BLEU difference is within resampling noise (1.000: identical output).",
+    ]
+    controls = [r for r in results[1:] if r.get("seed", settings.get("seed")) != results[0].get("seed")]
+    for r in controls:
+        md.append(f"- {r['mode']}: {r.get('base_mode', r['mode'])} trained with seed {r['seed']} instead of "
+                  f"{results[0].get('seed')}. Its d BLEU and p against fp32 are training-to-training "
+                  "variation, which the bootstrap (it resamples test sentences of fixed outputs) does not "
+                  "cover: the yardstick for the mixed runs' differences.")
+    md += [
         "",
         "Training flags (all runs): `" + settings.get("train_args", "") + "`",
         "",

@@ -21,7 +21,7 @@ def compared(toy_data, tmp_path_factory):
         " --log-interval 5 --no-epoch-checkpoints --num-workers 0"
     )
     subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out,
-                    "--modes", "fp16", "--train-args", train_args, "--gen-args", "--beam 1 --cpu",
+                    "--modes", "fp16,fp32@seed2", "--train-args", train_args, "--gen-args", "--beam 1 --cpu",
                     "--short-max-words", "7"],
                    check=True, capture_output=True, text=True)
     rep = subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "200"],
@@ -43,6 +43,39 @@ def test_result_json_schema(compared):
     r16 = json.loads((out / "fp16" / "result.json").read_text())
     assert [x["loss_scale"] for x in r16["train"]["train_inner"]] == [128] * 6
     assert "--fp16" in r16["train_command"] and "translation_fp16" in r16["train_command"]
+
+
+def test_seed_control_run_is_fp32_with_another_seed(compared):
+    out, _ = compared
+    r = json.loads((out / "fp32-seed2" / "result.json").read_text())
+    assert (r["mode"], r["base_mode"], r["seed"], r["precision_flags"]) == ("fp32-seed2", "fp32", 2, [])
+    cmd = r["train_command"]
+    assert cmd[cmd.index("--seed") + 1] == "2" and "--fp16" not in cmd
+    r32 = json.loads((out / "fp32" / "result.json").read_text())
+    # a different seed is a different trajectory: losses differ from the first logged interval on
+    assert r["train"]["train_inner"][0]["loss"] != r32["train"]["train_inner"][0]["loss"]
+    md = (out / "report.md").read_text()
+    assert "- fp32-seed2: fp32 trained with seed 2 instead of 1. Its d BLEU and p against fp32" in md
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"fp32", "fp16", "fp32-seed2"}
+
+
+def test_keep_existing_reuses_finished_runs_only_with_the_same_flags(compared, toy_data):
+    out, _ = compared
+    before = {m: (out / m / "result.json").read_text() for m in ("fp32", "fp16", "fp32-seed2")}
+    settings = json.loads((out / "settings.json").read_text())
+    cmd = [sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out, "--modes", "fp16,fp32@seed2",
+           "--train-args", settings["train_args"], "--gen-args", settings["gen_args"], "--short-max-words", "7",
+           "--keep-existing"]
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    assert [l.split("]")[0] for l in proc.stdout.splitlines() if "] kept: " in l] == [
+        "=== [fp32", "=== [fp16", "=== [fp32-seed2"]
+    assert "training" not in proc.stdout
+    assert {m: (out / m / "result.json").read_text() for m in before} == before
+    assert json.loads((out / "settings.json").read_text())["started"] == settings["started"]
+    cmd[cmd.index("--train-args") + 1] += " --lr 5e-3"
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2 and "was made with other train_args; use another --out" in proc.stderr
 
 
 def test_bleu_is_sacrebleu_on_generate_output(compared):
@@ -86,7 +119,8 @@ def test_report_table_and_plots(compared):
                 "p (vs fp32)", "chrF"):
         assert f" {col} " in header
     rows = [l for l in md.splitlines() if l.startswith("| fp")]
-    assert [r.split(" | ")[0] for r in rows] == ["| fp32", "| fp16"] * 2  # all sentences, then short ones
+    # all sentences, then short ones
+    assert [r.split(" | ")[0] for r in rows] == ["| fp32", "| fp16", "| fp32-seed2"] * 2
     assert rows[0].split(" | ")[3] == "1.00"  # fp32's ratio to itself
     for png in ("valid_loss_updates.png", "valid_loss_wall.png", "loss_scale.png", "throughput.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
@@ -100,3 +134,18 @@ def test_compare_refuses_flags_it_sets(toy_data, tmp_path):
     proc = subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", tmp_path,
                            "--modes", "fp8"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--modes: unknown fp8" in proc.stderr
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", tmp_path,
+                           "--modes", "fp16,fp32@seed1"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "fp32@seed1 uses the main --seed 1; a control run needs another seed" in proc.stderr
+
+
+def test_demo_toy_corpus_runs_compare_and_report(tmp_path):
+    # scripts/demo.py's wiring (make demo's Debian path has the same stages on real data)
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "demo.py", "--corpus", "toy", "--modes", "fp32",
+                           "--max-update", "20", "--out", tmp_path], check=True, capture_output=True, text=True)
+    stages = [line[:9] for line in proc.stdout.splitlines() if line.startswith("=== [") and "/3]" in line[:9]]
+    assert stages == ["=== [1/3]", "=== [2/3]", "=== [3/3]"]
+    assert "=== [fp32] training" in proc.stdout
+    r = json.loads((tmp_path / "toy" / "runs" / "fp32" / "result.json").read_text())
+    assert r["train"]["updates"] == 20 and r["generate"]["n_sentences"] == 100
+    assert "| fp32 | 20 |" in (tmp_path / "toy" / "runs" / "report.md").read_text()
