@@ -109,7 +109,8 @@ def main() -> None:
         gen_args, extra = "--beam 4 --cpu", []
         out = a.out / "toy"
     print(f"    data-bin: {data}")
-    print(f"=== [2/3] training and decoding {a.modes}: {updates} updates each on the CPU, same seed "
+    seeds = "same seed" + (" (control runs: their own)" if "@seed" in a.modes else "")
+    print(f"=== [2/3] training and decoding {a.modes}: {updates} updates each on the CPU, {seeds} "
           "and flags; fairseq's progress follows", flush=True)
     subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), str(data), "--out", str(out / "runs"),
                     "--modes", a.modes, "--train-args", train_args, "--gen-args", gen_args, *extra,

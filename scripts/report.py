@@ -196,10 +196,15 @@ def main(argv=None) -> None:
     ]
     controls = [r for r in results[1:] if r.get("seed", settings.get("seed")) != results[0].get("seed")]
     for r in controls:
-        md.append(f"- {r['mode']}: {r.get('base_mode', r['mode'])} trained with seed {r['seed']} instead of "
-                  f"{results[0].get('seed')}. Its d BLEU and p against fp32 are training-to-training "
-                  "variation, which the bootstrap (it resamples test sentences of fixed outputs) does not "
-                  "cover: the yardstick for the mixed runs' differences.")
+        base = r.get("base_mode", r["mode"])
+        head = f"- {r['mode']}: {base} trained with seed {r['seed']} instead of {results[0].get('seed')}."
+        if base == "fp32":
+            md.append(head + " Its d BLEU and p against fp32 are training-to-training variation, which the "
+                      "bootstrap (it resamples test sentences of fixed outputs) does not cover: the yardstick "
+                      "for the mixed runs' differences.")
+        else:
+            md.append(head + f" Its difference to {base} (not to fp32) is {base}'s training-to-training "
+                      "variation.")
     md += [
         "",
         "Training flags (all runs): `" + settings.get("train_args", "") + "`",

@@ -149,3 +149,22 @@ def test_demo_toy_corpus_runs_compare_and_report(tmp_path):
     r = json.loads((tmp_path / "toy" / "runs" / "fp32" / "result.json").read_text())
     assert r["train"]["updates"] == 20 and r["generate"]["n_sentences"] == 100
     assert "| fp32 | 20 |" in (tmp_path / "toy" / "runs" / "report.md").read_text()
+
+
+def test_report_names_the_base_of_a_non_fp32_control(compared, tmp_path):
+    import shutil
+
+    out = tmp_path / "runs"
+    shutil.copytree(compared[0], out)
+    shutil.move(out / "fp32-seed2", out / "fp16-seed2")
+    r = json.loads((out / "fp16-seed2" / "result.json").read_text())
+    r.update(mode="fp16-seed2", base_mode="fp16", precision_flags=["--fp16"])
+    (out / "fp16-seed2" / "result.json").write_text(json.dumps(r))
+    settings = json.loads((out / "settings.json").read_text())
+    settings["modes"] = ["fp32", "fp16", "fp16-seed2"]
+    (out / "settings.json").write_text(json.dumps(settings))
+    subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "50"], check=True,
+                   capture_output=True)
+    md = (out / "report.md").read_text()
+    assert "- fp16-seed2: fp16 trained with seed 2 instead of 1. Its difference to fp16 (not to fp32)" in md
+    assert "fp32-seed2" not in md
