@@ -77,7 +77,8 @@ def test_aligner_keeps_units_whole_when_counts_or_lengths_disagree():
     en, de = "Hnb is orphaned. Nobody adds features.", "Hnb ist verwaist. Niemand pflegt es. Es gibt keine Funktionen."
     assert ALIGN(en, de) == [(en, de)]
     # same count, but the split is at different places (lengths far off the pair's ratio)
-    en, de = "A. This sentence is a rather long one with many words in it.", "Dies ist ein ziemlich langer Satz mit vielen Wörtern darin. B."
+    en, de = "Short one. This sentence is a rather long one with many words in it.", "Dies ist ein ziemlich langer Satz mit vielen Wörtern darin. Kurz."
+    assert len(ALIGN.en(en)) == len(ALIGN.xx(de)) == 2
     assert ALIGN(en, de) == [(en, de)]
     # 2 list items against 1: the items are not paired, the sentences still are
     en, de = "Tools:\n * a\n * b", "Werkzeuge: a und b"
