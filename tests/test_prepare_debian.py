@@ -129,11 +129,12 @@ def test_split_pairs_keeps_a_family_in_one_split():
     assert sorted(map(len, splits.values())) == [0, 0, 60]
 
 
-def test_split_pairs_drops_held_out_pairs_whose_source_is_in_train():
+def test_held_out_pairs_whose_source_is_in_train_are_dropped():
     fams = [f"fam{i}" for i in range(200)]
     where = {f: pd.split_of(pd.package_family(f), 10.0, 10.0) for f in fams}
     pairs = [(f"{f} text", "t", f) for f in fams] + [("shared line", f"t {f}", f) for f in fams]
     splits = pd.split_pairs(pairs, 10.0, 10.0)
+    splits = {k: v if k == "train" else pd.drop_seen(v, splits["train"]) for k, v in splits.items()}
     for split in ("valid", "test"):
         assert sorted(s for s, _ in splits[split]) == sorted(f"{f} text" for f in fams if where[f] == split)
     assert sum(s == "shared line" for s, _ in splits["train"]) == sum(w == "train" for w in where.values())
@@ -233,3 +234,24 @@ def test_preprocess_binarises_help_as_a_second_test_subset(tmp_path, monkeypatch
     pd.preprocess(tmp_path, tmp_path / "bin", "de")
     tests = [cmd[cmd.index("--testpref") + 1] for cmd in seen]
     assert tests == [f"{tmp_path}/test", f"{tmp_path}/test,{tmp_path}/test-help"]
+
+
+def test_description_test_pairs_seen_in_help_training_files_are_dropped(tmp_path, monkeypatch):
+    # help files train, package families test: a help paragraph equal to a description's
+    # English text must take that description pair out of test
+    help_en = HELP_EN.replace("Only in English.", "This package holds the tools.")
+    help_de = HELP_DE.replace("</body>", '<p id="par_id5">Dieses Paket hat die Werkzeuge.</p></body>')
+    help_root = tmp_path / "help"
+    help_dirs = (write_help(help_root, "en-US", help_en), write_help(help_root, "de", help_de))
+    monkeypatch.setattr(pd, "fetch_indexes", lambda apt, lang: (EN, DE))
+    monkeypatch.setattr(pd, "fetch_help", lambda apt, lang: help_dirs)
+    monkeypatch.setattr(pd, "split_of", lambda g, v, t: "train" if g.startswith("help:") else "test")
+    monkeypatch.setattr(pd, "train_spm", lambda *a: (_ for _ in ()).throw(SystemExit("stop")))
+    import pytest
+
+    with pytest.raises(SystemExit, match="stop"):
+        pd.main(["--out", str(tmp_path / "c"), "--libreoffice"])
+    test_en = (tmp_path / "c" / "raw" / "test.en").read_text().splitlines()
+    assert "This package holds the tools." not in test_en
+    assert test_en[0] == "tools for foo" and len(test_en) == 3
+    assert "This package holds the tools." in (tmp_path / "c" / "raw" / "train.en").read_text()

@@ -322,16 +322,18 @@ def fetch_help(apt_dir: Path, lang: str) -> Tuple[Path, Path]:
 
 def split_pairs(pairs, valid_pct: float, test_pct: float, group=package_family) -> Dict[str, List[Tuple[str, str]]]:
     """{"train", "valid", "test": [(english, translation)]} split by ``group(third field)``, so
-    that one package family (or help file) lands in one split. Held-out pairs whose English
-    text also occurs in train are dropped (formulaic lines recur across families)."""
+    that one package family (or help file) lands in one split."""
     buckets: Dict[str, List[Tuple[str, str]]] = {"train": [], "valid": [], "test": []}
     for s, t, key in pairs:
         buckets[split_of(group(key), valid_pct, test_pct)].append((s, t))
-    seen = {s for s, _ in buckets["train"]}
-    for split in ("valid", "test"):
-        buckets[split] = [(s, t) for s, t in buckets[split] if s not in seen]
-    random.Random(1).shuffle(buckets["train"])
     return buckets
+
+
+def drop_seen(held_out: List[Tuple[str, str]], train: List[Tuple[str, str]]) -> List[Tuple[str, str]]:
+    """The held-out pairs whose English text does not occur in train (formulaic lines recur
+    across package families and help files)."""
+    seen = {s for s, _ in train}
+    return [(s, t) for s, t in held_out if s not in seen]
 
 
 def write_pairs(rows: List[Tuple[str, str]], raw: Path, name: str, lang: str) -> None:
@@ -428,19 +430,19 @@ def main(argv: Iterable[str] = None) -> None:
         if not pairs:
             raise SystemExit(f"no en-{a.lang} description pairs found in the fetched indexes")
         splits = split_pairs(pairs, a.valid_pct, a.test_pct)
-        print("    descriptions: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()), flush=True)
         if a.libreoffice:
             print(f"    LibreOffice help, English and {a.lang}", flush=True)
             en_help, xx_help = fetch_help(out / "apt", a.lang)
             help_pairs = pair_help(help_paragraphs(en_help), help_paragraphs(xx_help))
             # no valid split: validation stays on the descriptions
             hs = split_pairs(help_pairs, 0.0, a.test_pct, group=lambda f: "help:" + f)
-            seen = {s for s, _ in splits["train"]}
-            hs["test"] = [(s, t) for s, t in hs["test"] if s not in seen]
-            print(f"    help: train {len(hs['train'])}, test1 {len(hs['test'])}", flush=True)
             splits["train"] += hs["train"]
-            random.Random(1).shuffle(splits["train"])
-            write_pairs(hs["test"], raw, "test-help", a.lang)
+            splits["test-help"] = hs["test"]
+        random.Random(1).shuffle(splits["train"])
+        for name in splits:
+            if name != "train":  # against the whole training set, both corpora
+                splits[name] = drop_seen(splits[name], splits["train"])
+        print("    " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()), flush=True)
         for name, rows in splits.items():
             write_pairs(rows, raw, name, a.lang)
         stamp.write_text(recipe + "\n")
