@@ -259,17 +259,22 @@ def split_of(group: str, valid_pct: float, test_pct: float) -> str:
 
 
 # ------------------------------------------------------------------------------ steps
+def apt_get(apt_dir: Path, *args: str) -> List[str]:
+    """An apt-get command on the private lists and cache under apt_dir (an absolute path: apt
+    reads a relative Dir::State::Lists under its own Dir::State, /var/lib/apt, so a relative
+    --out would write into the system's apt folder and find nothing here)."""
+    return ["apt-get", "-q", "-o", f"Dir::State::Lists={apt_dir / 'lists'}", "-o",
+            f"Dir::Cache={apt_dir / 'cache'}", *args]
+
+
 def fetch_indexes(apt_dir: Path, lang: str) -> Tuple[str, str]:
     """apt-get update into apt_dir; returns the English and <lang> index texts."""
-    # apt reads a relative Dir::State::Lists under its own Dir::State (/var/lib/apt):
-    # a relative --out would write into the system's apt folder and find nothing here.
     apt_dir = apt_dir.resolve()
     lists = apt_dir / "lists"
     if not list(lists.glob(f"*_i18n_Translation-{lang}*")):
         (lists / "partial").mkdir(parents=True, exist_ok=True)
         (apt_dir / "cache" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
-        cmd = ["apt-get", "-q", "-o", f"Dir::State::Lists={lists}", "-o", f"Dir::Cache={apt_dir / 'cache'}",
-               "-o", f"Acquire::Languages=en,{lang}", "update"]
+        cmd = apt_get(apt_dir, "-o", f"Acquire::Languages=en,{lang}", "update")
         print("    " + " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not list(lists.glob(f"*_i18n_Translation-{lang}*")):
@@ -304,8 +309,7 @@ def fetch_help(apt_dir: Path, lang: str) -> Tuple[Path, Path]:
     debs = apt_dir / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     pkgs = ["libreoffice-help-en-us", f"libreoffice-help-{lang}"]
-    cmd = ["apt-get", "-q", "-o", f"Dir::State::Lists={apt_dir / 'lists'}", "-o",
-           f"Dir::Cache={apt_dir / 'cache'}", "download", *pkgs]
+    cmd = apt_get(apt_dir, "download", *pkgs)
     print("    " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=debs)
     if proc.returncode != 0:
