@@ -308,13 +308,39 @@ def describe_load_error(path: str, err: BaseException) -> str:
     )
 
 
+def _raised_reading(err: BaseException) -> bool:
+    """Whether ``err`` was raised while ``torch.load`` read the file.
+
+    Unpickling damaged bytes fails in many ways (``UnpicklingError`` mostly,
+    but also ``IndexError``, ``KeyError``, ``UnicodeDecodeError``, ``EOFError``
+    from the weights-only unpickler), so the place decides, not the type.
+    """
+    return any(
+        os.path.basename(frame.f_code.co_filename) in _TORCH_READERS
+        and os.path.basename(os.path.dirname(frame.f_code.co_filename)) == "torch"
+        for frame, _ in _walk_tb(err.__traceback__)
+    )
+
+
+_TORCH_READERS = ("serialization.py", "_weights_only_unpickler.py")
+
+
+def _walk_tb(tb):
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+
+
 def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     try:
         return _ORIGINALS["load_checkpoint_to_cpu"](path, arg_overrides, load_on_all_ranks)
-    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+    except Exception as e:
+        damaged = isinstance(e, (pickle.UnpicklingError, EOFError)) or _raised_reading(e)
         if isinstance(e, RuntimeError) and not any(
             k in str(e) for k in ("PytorchStreamReader", "zip archive", "unexpected EOF")
         ):
+            damaged = False  # e.g. a device or version problem of a readable file
+        if not damaged:
             raise
         raise RuntimeError(describe_load_error(str(path), e)) from e
 

@@ -1,5 +1,6 @@
 """The trainer hook: idempotent, reversible, and loud when fairseq's internals change."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -85,3 +86,31 @@ def test_core_imports_without_fairseq(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_any_damaged_checkpoint_bytes_get_the_named_error(tmp_path):
+    """Random bytes fail to unpickle in several ways (UnpicklingError, IndexError, KeyError,
+    UnicodeDecodeError with torch 2.13); every one is reported as a damaged file, by name."""
+    import random
+
+    path = tmp_path / "checkpoint_last.pt"
+    kinds = set()
+    for seed in range(60):
+        path.write_bytes(random.Random(seed).randbytes(4096))
+        with pytest.raises(RuntimeError, match=rf"checkpoint {path} is truncated or corrupt \((\w+): .*"
+                                               r"nothing was loaded or overwritten") as info:
+            checkpoint_utils.load_checkpoint_to_cpu(str(path))
+        kinds.add(re.search(r"\((\w+):", str(info.value)).group(1))
+    assert {"UnpicklingError", "IndexError", "KeyError"} <= kinds
+
+
+def test_errors_after_reading_are_not_called_damage(tmp_path, monkeypatch):
+    """A readable checkpoint that fails later (here: a KeyError in fairseq's upgrade step)
+    keeps its own error; only failures inside torch's reader mean a damaged file."""
+    import torch
+
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save({"model": {}}, path)  # no "args"/"cfg": fairseq's upgrade step raises KeyError
+
+    with pytest.raises(KeyError):
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
