@@ -308,6 +308,10 @@ def describe_load_error(path: str, err: BaseException) -> str:
     )
 
 
+#: torch's checkpoint readers: an exception raised in them means the bytes could not be read.
+_TORCH_READERS = ("serialization.py", "_weights_only_unpickler.py")
+
+
 def _raised_reading(err: BaseException) -> bool:
     """Whether ``err`` was raised while ``torch.load`` read the file.
 
@@ -315,20 +319,13 @@ def _raised_reading(err: BaseException) -> bool:
     but also ``IndexError``, ``KeyError``, ``UnicodeDecodeError``, ``EOFError``
     from the weights-only unpickler), so the place decides, not the type.
     """
-    return any(
-        os.path.basename(frame.f_code.co_filename) in _TORCH_READERS
-        and os.path.basename(os.path.dirname(frame.f_code.co_filename)) == "torch"
-        for frame, _ in _walk_tb(err.__traceback__)
-    )
-
-
-_TORCH_READERS = ("serialization.py", "_weights_only_unpickler.py")
-
-
-def _walk_tb(tb):
+    tb = err.__traceback__
     while tb is not None:
-        yield tb.tb_frame, tb.tb_lineno
+        code = tb.tb_frame.f_code.co_filename
+        if os.path.basename(code) in _TORCH_READERS and os.path.basename(os.path.dirname(code)) == "torch":
+            return True
         tb = tb.tb_next
+    return False
 
 
 def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
