@@ -2,6 +2,7 @@
 
 import sys
 
+import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "examples" / "translation"))
@@ -151,8 +152,6 @@ def test_filter_train_keeps_pairs_short_on_both_sides(tmp_path):
 
 def test_fetch_passes_apt_absolute_folders_for_a_relative_out(tmp_path, monkeypatch):
     # apt-get resolves a relative Dir::State::Lists under /var/lib/apt, not the working folder
-    import pytest
-
     seen = []
 
     def fake_run(cmd, **kw):
@@ -247,7 +246,6 @@ def test_description_test_pairs_seen_in_help_training_files_are_dropped(tmp_path
     monkeypatch.setattr(pd, "fetch_help", lambda apt, lang: help_dirs)
     monkeypatch.setattr(pd, "split_of", lambda g, v, t: "train" if g.startswith("help:") else "test")
     monkeypatch.setattr(pd, "train_spm", lambda *a: (_ for _ in ()).throw(SystemExit("stop")))
-    import pytest
 
     with pytest.raises(SystemExit, match="stop"):
         pd.main(["--out", str(tmp_path / "c"), "--libreoffice"])
