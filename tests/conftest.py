@@ -38,10 +38,12 @@ def toy_data(tmp_path_factory):
 
 
 def run_cli(tool, args, check=True):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    # faulthandler: a crash in C++ code prints every thread's Python stack to stderr
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     proc = subprocess.run([str(BIN / tool), *map(str, args)], capture_output=True, text=True, env=env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{tool} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{tool} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                             f"{proc.stderr[-4000:]}")
     return proc
 
 
