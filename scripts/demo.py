@@ -54,14 +54,15 @@ TOY_OPTIM = (
 )
 
 
-def prepare_debian(data_dir: Path) -> Path:
-    """The length-filtered data-bin, or None when apt cannot fetch the corpus."""
+def prepare_debian(data_dir: Path, max_train_tokens: int = DEBIAN_MAX_TRAIN_TOKENS) -> Path:
+    """The data-bin (length-filtered unless ``max_train_tokens`` is 0), or None when apt cannot
+    fetch the corpus."""
     cmd = [sys.executable, str(ROOT / "examples" / "translation" / "prepare_debian.py"), "--lang", "de",
-           "--out", str(data_dir), "--max-train-tokens", str(DEBIAN_MAX_TRAIN_TOKENS)]
+           "--out", str(data_dir), "--max-train-tokens", str(max_train_tokens)]
     proc = subprocess.run(cmd)
     if proc.returncode != 0:
         return None
-    return data_dir / f"bin-max{DEBIAN_MAX_TRAIN_TOKENS}"
+    return data_dir / (f"bin-max{max_train_tokens}" if max_train_tokens else "bin")
 
 
 def main() -> None:
@@ -76,6 +77,11 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="Debian corpus: dropout (0 for the demo's few epochs; the longer recipe "
                     "in examples/translation/README.md uses 0.1)")
+    ap.add_argument("--max-train-tokens", type=int, default=DEBIAN_MAX_TRAIN_TOKENS,
+                    help="Debian corpus: train on the pairs of at most N pieces per side (0 = all "
+                    f"pairs; default {DEBIAN_MAX_TRAIN_TOKENS}: short pairs learn fastest per minute)")
+    ap.add_argument("--beam", type=int, default=1, help="Debian corpus: beam size (default greedy)")
+    ap.add_argument("--lenpen", type=float, default=1.0, help="Debian corpus: length penalty of the beam")
     ap.add_argument("--modes", default="fp32,fp16,bf16",
                     help="as scripts/compare.py's; add fp32@seed2 for the seed-to-seed control run")
     ap.add_argument("--keep-existing", action="store_true",
@@ -86,7 +92,11 @@ def main() -> None:
     if a.corpus == "debian":
         print("=== [1/3] data: Debian package descriptions, English->German (built once, then cached)",
               flush=True)
-        data = prepare_debian(a.data_dir)
+        if a.max_train_tokens < 0:
+            ap.error(f"--max-train-tokens must be >= 0 (0 = all pairs), got {a.max_train_tokens}")
+        if a.beam < 1:
+            ap.error(f"--beam must be >= 1, got {a.beam}")
+        data = prepare_debian(a.data_dir, a.max_train_tokens)
         if data is None:
             print("=== the Debian corpus could not be built (above); running the synthetic-corpus "
                   "demo instead", flush=True)
@@ -97,7 +107,8 @@ def main() -> None:
                       f"--log-interval 25 --validate-interval-updates {every} --save-interval-updates {every} "
                       "--keep-interval-updates 1 "
                       "--no-epoch-checkpoints --num-workers 0")
-        gen_args, extra = f"{DEBIAN_GEN} --cpu", ["--short-max-words", str(SHORT_MAX_WORDS)]
+        gen_args = DEBIAN_GEN.replace("--beam 1", f"--beam {a.beam} --lenpen {a.lenpen}") + " --cpu"
+        extra = ["--short-max-words", str(SHORT_MAX_WORDS)]
         out = a.out / "debian-ende"
     else:
         from make_toy_corpus import write_corpus
