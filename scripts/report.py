@@ -11,6 +11,7 @@ against fp32) and ``OUT/valid_loss_updates.png``, ``OUT/valid_loss_wall.png``,
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 COLUMNS = [
@@ -113,6 +114,52 @@ def short_table(results, pvals):
     return "\n".join(lines)
 
 
+def seed_spread(results):
+    """fp32's BLEU over its seeds, and where each mixed run of the base seed falls among them.
+
+    The fp32 seeds are the base run and its fp32 control runs (``fp32@seedN``).
+    The paired bootstrap resamples the test sentences of two fixed outputs, so
+    it calls significant a difference that another training of fp32 can show
+    as well; this spread is that training-to-training variation.
+
+    Returns:
+        None with fewer than two fp32 seeds; else a dict with the seeds, their
+        BLEU, mean, sample standard deviation, range, and per mixed run its
+        BLEU, its difference to the mean, that in standard deviations
+        (``z``; None when the deviation is 0) and whether it lies within the
+        fp32 seeds' range.
+    """
+    base_seed = results[0].get("seed")
+    fp32 = [r for r in results if r.get("base_mode", r["mode"]) == "fp32"]
+    if len(fp32) < 2:
+        return None
+    bleus = [r["generate"]["bleu"] for r in fp32]
+    mean, sd = statistics.fmean(bleus), statistics.stdev(bleus)
+    runs = {}
+    for r in results:
+        if r.get("base_mode", r["mode"]) == "fp32" or r.get("seed", base_seed) != base_seed:
+            continue
+        b = r["generate"]["bleu"]
+        runs[r["mode"]] = {"bleu": b, "d_mean": b - mean, "z": (b - mean) / sd if sd else None,
+                           "within_range": min(bleus) <= b <= max(bleus)}
+    return {"seeds": [r.get("seed") for r in fp32], "bleu": bleus, "mean": mean, "sd": sd,
+            "min": min(bleus), "max": max(bleus), "runs": runs}
+
+
+def spread_lines(spread):
+    """The report's sentences on :func:`seed_spread`."""
+    seeds = ", ".join(f"{b:.2f} (seed {s})" for s, b in zip(spread["seeds"], spread["bleu"]))
+    n = len(spread["bleu"])
+    lines = [f"- fp32 trained with {n} seeds: BLEU {seeds}; mean {spread['mean']:.2f}, standard deviation "
+             f"{spread['sd']:.2f}" + (" (two seeds: a rough estimate)" if n == 2 else "") + "."]
+    for mode, v in spread["runs"].items():
+        z = "" if v["z"] is None or n < 3 else f", {v['z']:+.1f} standard deviations"
+        where = "within" if v["within_range"] else "outside"
+        lines.append(f"- {mode}: BLEU {v['bleu']:.2f}, {v['d_mean']:+.2f} from the fp32 seeds' mean{z}; "
+                     f"{where} their range ({spread['min']:.2f} to {spread['max']:.2f}).")
+    return lines
+
+
 def plots(out: Path, results):
     import matplotlib
 
@@ -205,6 +252,9 @@ def main(argv=None) -> None:
         else:
             md.append(head + f" Its difference to {base} (not to fp32) is {base}'s training-to-training "
                       "variation.")
+    spread = seed_spread(results)
+    if spread:
+        md += ["", "Training-to-training variation (BLEU on the whole split):", "", *spread_lines(spread)]
     md += [
         "",
         "Training flags (all runs): `" + settings.get("train_args", "") + "`",
@@ -229,6 +279,8 @@ def main(argv=None) -> None:
         if "short" in r["generate"]:
             summary[r["mode"]]["short_bleu"] = r["generate"]["short"]["bleu"]
             summary[r["mode"]]["short_p_vs_fp32"] = short_p.get(r["mode"])
+    if spread:
+        summary["fp32_seed_spread"] = spread
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(tab)
     if short:

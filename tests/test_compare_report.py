@@ -168,3 +168,36 @@ def test_report_names_the_base_of_a_non_fp32_control(compared, tmp_path):
     md = (out / "report.md").read_text()
     assert "- fp16-seed2: fp16 trained with seed 2 instead of 1. Its difference to fp16 (not to fp32)" in md
     assert "fp32-seed2" not in md
+
+
+def _run(mode, seed, bleu, base=None):
+    return {"mode": mode, "base_mode": base or mode, "seed": seed, "generate": {"bleu": bleu}}
+
+
+def test_seed_spread_places_mixed_runs_among_fp32_seeds():
+    from report import seed_spread, spread_lines
+
+    results = [_run("fp32", 1, 10.0), _run("fp16", 1, 11.2), _run("bf16", 1, 10.3),
+               _run("fp32-seed2", 2, 10.4, "fp32"), _run("fp32-seed3", 3, 10.2, "fp32"),
+               _run("bf16-seed2", 2, 12.0, "bf16")]
+    s = seed_spread(results)
+    assert s["seeds"] == [1, 2, 3] and s["bleu"] == [10.0, 10.4, 10.2]
+    assert s["mean"] == pytest.approx(10.2) and s["sd"] == pytest.approx(0.2)
+    assert list(s["runs"]) == ["fp16", "bf16"]  # bf16-seed2 is bf16's control, not a mixed run of seed 1
+    assert s["runs"]["fp16"]["z"] == pytest.approx(5.0) and not s["runs"]["fp16"]["within_range"]
+    assert s["runs"]["bf16"]["d_mean"] == pytest.approx(0.1) and s["runs"]["bf16"]["within_range"]
+    lines = spread_lines(s)
+    assert lines[0] == ("- fp32 trained with 3 seeds: BLEU 10.00 (seed 1), 10.40 (seed 2), 10.20 (seed 3); "
+                        "mean 10.20, standard deviation 0.20.")
+    assert lines[1] == ("- fp16: BLEU 11.20, +1.00 from the fp32 seeds' mean, +5.0 standard deviations; "
+                        "outside their range (10.00 to 10.40).")
+    assert seed_spread(results[:3]) is None  # one fp32 seed: no spread
+
+
+def test_report_has_the_seed_spread_of_a_control_run(compared):
+    out, _ = compared
+    md = (out / "report.md").read_text()
+    assert "- fp32 trained with 2 seeds: BLEU" in md and "(two seeds: a rough estimate)" in md
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["fp32_seed_spread"]["seeds"] == [1, 2]
+    assert list(summary["fp32_seed_spread"]["runs"]) == ["fp16"]
