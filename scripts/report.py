@@ -272,15 +272,15 @@ def main(argv=None) -> None:
                short_table(results, short_p), ""]
     md += [f"![{p}]({p})" for p in pngs]
     (a.out / "report.md").write_text("\n".join(md) + "\n")
-    summary = {r["mode"]: {"bleu": r["generate"]["bleu"], "p_vs_fp32": pvals.get(r["mode"]),
-                           "words_per_s": r["train"]["words_per_s"], mem_key: r["train"][mem_key]}
-               for r in results}
+    runs = {r["mode"]: {"bleu": r["generate"]["bleu"], "p_vs_fp32": pvals.get(r["mode"]),
+                        "words_per_s": r["train"]["words_per_s"], mem_key: r["train"][mem_key]}
+            for r in results}
     for r in results:
         if "short" in r["generate"]:
-            summary[r["mode"]]["short_bleu"] = r["generate"]["short"]["bleu"]
-            summary[r["mode"]]["short_p_vs_fp32"] = short_p.get(r["mode"])
-    if spread:
-        summary["fp32_seed_spread"] = spread
+            runs[r["mode"]]["short_bleu"] = r["generate"]["short"]["bleu"]
+            runs[r["mode"]]["short_p_vs_fp32"] = short_p.get(r["mode"])
+    # run names are user-chosen (fp32@seed7 -> fp32-seed7): keep them apart from the other keys
+    summary = {"runs": runs, "fp32_seed_spread": spread}
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(tab)
     if short:

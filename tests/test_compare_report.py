@@ -57,7 +57,7 @@ def test_seed_control_run_is_fp32_with_another_seed(compared):
     md = (out / "report.md").read_text()
     assert "- fp32-seed2: fp32 trained with seed 2 instead of 1. Its d BLEU and p against fp32" in md
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"fp32", "fp16", "fp32-seed2"}
+    assert set(summary["runs"]) == {"fp32", "fp16", "fp32-seed2"}
 
 
 def test_keep_existing_reuses_finished_runs_only_with_the_same_flags(compared, toy_data):
@@ -108,7 +108,8 @@ def test_short_source_subset_is_scored_and_reported(compared):
     assert f"Sentences whose source has at most 7 words ({len(ids)} of 100)" in md
     assert "sources of <= 7 words:" in stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["fp16"]["short_bleu"] == short["bleu"] and summary["fp32"]["short_p_vs_fp32"] is None
+    runs = summary["runs"]
+    assert runs["fp16"]["short_bleu"] == short["bleu"] and runs["fp32"]["short_p_vs_fp32"] is None
 
 
 def test_report_table_and_plots(compared):
