@@ -19,6 +19,10 @@ fp32@seed2) adds a run of MODE with seed N: the seed-to-seed control, whose
 difference to fp32 shows how much two trainings differ without any change of
 precision. Do not put --task, --optimizer, --seed, --save-dir or precision
 flags in --train-args.
+
+``--keep-existing`` keeps the runs OUT holds (same data and flags) and runs
+the missing modes; with ``--redecode`` the kept runs are decoded again from
+their last checkpoint with new decoding flags, their training unchanged.
 """
 
 import argparse
@@ -43,6 +47,8 @@ MODES = {
 #: ``MODE@seedN``: the mode trained with another seed, e.g. ``fp32@seed2``: a control run whose
 #: difference to fp32 is training-to-training variation alone.
 MODE_SPEC = re.compile(r"^(?P<base>[a-z0-9-]+?)(?:@seed(?P<seed>\d+))?$")
+#: settings.json keys that only change decoding: --redecode may change them for kept runs
+DECODE_SETTINGS = ("gen_args", "gen_subset", "short_max_words")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
 
 
@@ -154,28 +160,16 @@ def parse_mode(text: str, seed: int):
     return f"{m['base']}-seed{int(m['seed'])}", m["base"], int(m["seed"])
 
 
-def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
-    mode, spec = name, MODES[base]
-    run_dir = out / mode
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = run_dir / "checkpoints"
+def decode(mode: str, spec: dict, a, run_dir: Path) -> dict:
+    """Decode ``a.gen_subset`` with the run's last checkpoint and score it: result.json's "generate"."""
+    ckpt = run_dir / "checkpoints" / "checkpoint_last.pt"
+    if not ckpt.is_file():
+        raise SystemExit(f"[{mode}] no checkpoint to decode: {ckpt} is missing")
     task = "translation_fp16" if spec["plugin"] else "translation"
-    optimizer = "fp16_adam" if spec["plugin"] else "adam"
     plugin = ["--user-dir", USER_DIR] if spec["plugin"] else []
-    log_file = run_dir / "train.out"
-    train_args = [a.data, *plugin, "--task", task, "--optimizer", optimizer, "--seed", seed,
-                  "--save-dir", ckpt_dir, "--log-format", "json",
-                  *shlex.split(a.train_args), *spec["flags"]]
-    banner(f"[{mode}] training: fairseq-train {' '.join(spec['flags']) or '(fp32)'}")
-    t_stats = run_with_stats(run_dir / "train_stats.json", "fairseq-train", train_args, log_file)
-    log = parse_json_log(log_file)
-    inner = log["train_inner"]
-    if not inner:
-        raise SystemExit(f"[{mode}] no train_inner records in {log_file}; use --log-interval")
-
-    banner(f"[{mode}] decoding the test split: fairseq-generate {' '.join(spec['flags']) or '(fp32)'}")
+    banner(f"[{mode}] decoding the {a.gen_subset} split: fairseq-generate {' '.join(spec['flags']) or '(fp32)'}")
     gen_dir = run_dir / "generate"
-    gen_args = [a.data, *plugin, "--task", task, "--path", ckpt_dir / "checkpoint_last.pt",
+    gen_args = [a.data, *plugin, "--task", task, "--path", ckpt,
                 "--gen-subset", a.gen_subset, "--results-path", gen_dir,
                 # fairseq-generate silently drops a last batch that is not a multiple
                 # of --required-batch-size-multiple (default 8): score every sentence.
@@ -194,6 +188,28 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
                            **score([hyps[i] for i in ids], [refs[i] for i in ids])}
         print(f"   [{mode}] sources of <= {a.short_max_words} words: BLEU {scores['short']['bleu']}  "
               f"chrF {scores['short']['chrf']}  ({len(ids)} sentences)", flush=True)
+    return {"wall_s": round(g_stats["wall_s"], 2), "subset": a.gen_subset, "n_sentences": len(hyps),
+            "gen_args": a.gen_args, "hyps_file": "hyps.txt", "refs_file": "refs.txt", **scores}
+
+
+def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
+    mode, spec = name, MODES[base]
+    run_dir = out / mode
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = run_dir / "checkpoints"
+    task = "translation_fp16" if spec["plugin"] else "translation"
+    optimizer = "fp16_adam" if spec["plugin"] else "adam"
+    plugin = ["--user-dir", USER_DIR] if spec["plugin"] else []
+    log_file = run_dir / "train.out"
+    train_args = [a.data, *plugin, "--task", task, "--optimizer", optimizer, "--seed", seed,
+                  "--save-dir", ckpt_dir, "--log-format", "json",
+                  *shlex.split(a.train_args), *spec["flags"]]
+    banner(f"[{mode}] training: fairseq-train {' '.join(spec['flags']) or '(fp32)'}")
+    t_stats = run_with_stats(run_dir / "train_stats.json", "fairseq-train", train_args, log_file)
+    log = parse_json_log(log_file)
+    inner = log["train_inner"]
+    if not inner:
+        raise SystemExit(f"[{mode}] no train_inner records in {log_file}; use --log-interval")
 
     updates = int(inner[-1]["num_updates"])
     # fairseq's per-interval rates; the first interval includes start-up, so skip it
@@ -224,14 +240,7 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
             "valid": [dict(v, wall=wall_at(v.get("num_updates", 0))) for v in log["valid"]],
             "epochs": log["train"],
         },
-        "generate": {
-            "wall_s": round(g_stats["wall_s"], 2),
-            "subset": a.gen_subset,
-            "n_sentences": len(hyps),
-            "hyps_file": "hyps.txt",
-            "refs_file": "refs.txt",
-            **scores,
-        },
+        "generate": decode(mode, spec, a, run_dir),
     }
     (run_dir / "result.json").write_text(json.dumps(result, indent=1))
     return result
@@ -255,7 +264,13 @@ def main(argv=None) -> None:
     ap.add_argument("--keep-existing", action="store_true",
                     help="keep the runs OUT already holds (result.json) when OUT was made with the same "
                     "data and flags, and run only the missing modes (e.g. add fp32@seed2 to a finished comparison)")
+    ap.add_argument("--redecode", action="store_true",
+                    help="with --keep-existing: decode the kept runs again from their last checkpoint with "
+                    "this --gen-args, --gen-subset and --short-max-words, keeping their training (e.g. "
+                    "another --lenpen, chosen on the valid split)")
     a = ap.parse_args(argv)
+    if a.redecode and not a.keep_existing:
+        ap.error("--redecode needs --keep-existing: it decodes the runs OUT already holds")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     parsed = [parse_mode(m, a.seed) for m in modes]
     bad = [m for m, p in zip(modes, parsed) if p is None]
@@ -281,18 +296,24 @@ def main(argv=None) -> None:
     keep = set()
     if a.keep_existing and (a.out / "settings.json").exists():
         old = json.loads((a.out / "settings.json").read_text())
-        differ = [k for k in ("data", "train_args", "gen_args", "gen_subset", "short_max_words", "seed")
+        differ = [k for k in ("data", "train_args", "seed", *(() if a.redecode else DECODE_SETTINGS))
                   if old.get(k) != settings[k]]
         if differ:
+            hint = ("" if a.redecode or {"data", "train_args", "seed"} & set(differ)
+                    else " (or --redecode to decode the kept runs with the new ones)")
             ap.error(f"--keep-existing: {a.out} was made with other {', '.join(differ)}; "
-                     "use another --out or the same flags")
+                     f"use another --out or the same flags{hint}")
         keep = {name for name in modes if (a.out / name / "result.json").exists()}
         settings["started"] = old.get("started", settings["started"])
     results = []
     for name, base, seed in runs:
         if name in keep:
             banner(f"[{name}] kept: {a.out / name / 'result.json'}")
-            results.append(json.loads((a.out / name / "result.json").read_text()))
+            result = json.loads((a.out / name / "result.json").read_text())
+            if a.redecode:
+                result["generate"] = decode(name, MODES[base], a, a.out / name)
+                (a.out / name / "result.json").write_text(json.dumps(result, indent=1))
+            results.append(result)
         else:
             results.append(run_mode(name, base, seed, a, a.out))
     settings["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -86,6 +86,8 @@ def main() -> None:
                     help="as scripts/compare.py's; add fp32@seed2 for the seed-to-seed control run")
     ap.add_argument("--keep-existing", action="store_true",
                     help="keep the runs a previous demo with the same flags finished (scripts/compare.py)")
+    ap.add_argument("--redecode", action="store_true",
+                    help="with --keep-existing: decode the kept runs again with this --beam and --lenpen")
     a = ap.parse_args()
     start = time.time()
     data = None
@@ -126,7 +128,8 @@ def main() -> None:
           "and flags; fairseq's progress follows", flush=True)
     subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), str(data), "--out", str(out / "runs"),
                     "--modes", a.modes, "--train-args", train_args, "--gen-args", gen_args, *extra,
-                    *(["--keep-existing"] if a.keep_existing else [])], check=True)
+                    *(["--keep-existing"] if a.keep_existing else []),
+                    *(["--redecode"] if a.redecode else [])], check=True)
     print("=== [3/3] report: table, paired bootstrap against fp32, plots", flush=True)
     subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(out / "runs")], check=True)
     print(f"=== demo done in {(time.time() - start) / 60:.1f} min; report and plots in {out / 'runs'}")

@@ -1,6 +1,7 @@
 """scripts/compare.py and scripts/report.py on the tiny corpus: schema, table, plots, BLEU."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -76,6 +77,49 @@ def test_keep_existing_reuses_finished_runs_only_with_the_same_flags(compared, t
     cmd[cmd.index("--train-args") + 1] += " --lr 5e-3"
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 2 and "was made with other train_args; use another --out" in proc.stderr
+
+
+def test_redecode_decodes_kept_runs_again_and_keeps_their_training(compared, toy_data, tmp_path):
+    src, _ = compared
+    out = tmp_path / "cmp"
+    shutil.copytree(src, out)
+    settings = json.loads((out / "settings.json").read_text())
+    before = {m: json.loads((out / m / "result.json").read_text()) for m in ("fp32", "fp16")}
+    cmd = [sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out, "--modes", "fp16",
+           "--train-args", settings["train_args"], "--gen-args", "--beam 3 --lenpen 2 --cpu",
+           "--short-max-words", "7", "--keep-existing"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2 and ("was made with other gen_args; use another --out or the same flags "
+                                     "(or --redecode to decode the kept runs with the new ones)") in proc.stderr
+    proc = subprocess.run(cmd + ["--redecode"], check=True, capture_output=True, text=True)
+    assert "training" not in proc.stdout
+    assert [l.split("]")[0] for l in proc.stdout.splitlines() if "] decoding the test split" in l] == [
+        "=== [fp32", "=== [fp16"]
+    for mode, old in before.items():
+        r = json.loads((out / mode / "result.json").read_text())
+        assert r["train"] == old["train"] and r["train_command"] == old["train_command"]
+        assert (old["generate"]["gen_args"], r["generate"]["gen_args"]) == ("--beam 1 --cpu", "--beam 3 --lenpen 2 --cpu")
+        gen = (out / mode / "generate.out").read_text().split("\n", 1)[0]
+        assert "--beam 3 --lenpen 2" in gen and str(out / mode / "checkpoints" / "checkpoint_last.pt") in gen
+        hyps = (out / mode / "hyps.txt").read_text().splitlines()
+        refs = (out / mode / "refs.txt").read_text().splitlines()
+        assert r["generate"]["bleu"] == round(BLEU().corpus_score(hyps, [refs]).score, 2)
+    assert json.loads((out / "settings.json").read_text())["gen_args"] == "--beam 3 --lenpen 2 --cpu"
+    # the report reads the new decoding
+    subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "50"],
+                   check=True, capture_output=True)
+    assert "Decoding flags (all runs): `--beam 3 --lenpen 2 --cpu`" in (out / "report.md").read_text()
+    # a kept run without its checkpoint cannot be decoded again: say which file is missing
+    (out / "fp16" / "checkpoints" / "checkpoint_last.pt").unlink()
+    proc = subprocess.run(cmd + ["--redecode"], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert f"[fp16] no checkpoint to decode: {out / 'fp16' / 'checkpoints' / 'checkpoint_last.pt'} is missing" in proc.stderr
+
+
+def test_redecode_needs_keep_existing(toy_data, tmp_path):
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", tmp_path,
+                           "--redecode"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--redecode needs --keep-existing" in proc.stderr
 
 
 def test_bleu_is_sacrebleu_on_generate_output(compared):
