@@ -76,7 +76,7 @@ def main() -> None:
                     "2-core CPU; 400 on the toy corpus)")
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="Debian corpus: dropout (0 for the demo's few epochs; the longer recipe "
-                    "in examples/translation/README.md uses 0.1)")
+                    "in examples/translation/README.md uses 0.2)")
     ap.add_argument("--max-train-tokens", type=int, default=DEBIAN_MAX_TRAIN_TOKENS,
                     help="Debian corpus: train on the pairs of at most N pieces per side (0 = all "
                     f"pairs; default {DEBIAN_MAX_TRAIN_TOKENS}: short pairs learn fastest per minute)")
