@@ -160,6 +160,17 @@ def spread_lines(spread):
     return lines
 
 
+def decoding_line(results, gen_args: str) -> str:
+    """The report's line on the decoding flags; it names each run's flags when they differ
+    (a ``compare.py --redecode`` that stopped part-way leaves runs decoded with other flags)."""
+    per_run = {r["mode"]: r["generate"].get("gen_args", gen_args) for r in results}
+    if len(set(per_run.values())) <= 1:
+        return f"Decoding flags (all runs): `{gen_args}`"
+    return ("**The runs were decoded with different flags, so their BLEU is not comparable:** "
+            + "; ".join(f"{m}: `{g}`" for m, g in per_run.items())
+            + ". Decode them again alike: `scripts/compare.py ... --keep-existing --redecode`.")
+
+
 def plots(out: Path, results):
     import matplotlib
 
@@ -259,7 +270,7 @@ def main(argv=None) -> None:
         "",
         "Training flags (all runs): `" + settings.get("train_args", "") + "`",
         "",
-        "Decoding flags (all runs): `" + settings.get("gen_args", "") + "`",
+        decoding_line(results, settings.get("gen_args", "")),
         "",
     ]
     short = results[0]["generate"].get("short")

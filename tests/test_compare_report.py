@@ -246,3 +246,17 @@ def test_report_has_the_seed_spread_of_a_control_run(compared):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["fp32_seed_spread"]["seeds"] == [1, 2]
     assert list(summary["fp32_seed_spread"]["runs"]) == ["fp16"]
+
+
+def test_report_names_each_runs_decoding_flags_when_they_differ():
+    from report import decoding_line
+
+    runs = [{"mode": "fp32", "generate": {"gen_args": "--beam 4 --lenpen 2.0"}},
+            {"mode": "fp16", "generate": {"gen_args": "--beam 4 --lenpen 1.0"}},
+            {"mode": "bf16", "generate": {}}]  # written before result.json recorded its flags
+    assert decoding_line(runs[:1] + runs[2:], "--beam 4 --lenpen 2.0") == (
+        "Decoding flags (all runs): `--beam 4 --lenpen 2.0`")
+    assert decoding_line(runs, "--beam 4 --lenpen 2.0") == (
+        "**The runs were decoded with different flags, so their BLEU is not comparable:** "
+        "fp32: `--beam 4 --lenpen 2.0`; fp16: `--beam 4 --lenpen 1.0`; bf16: `--beam 4 --lenpen 2.0`. "
+        "Decode them again alike: `scripts/compare.py ... --keep-existing --redecode`.")
