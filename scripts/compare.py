@@ -160,13 +160,19 @@ def parse_mode(text: str, seed: int):
     return f"{m['base']}-seed{int(m['seed'])}", m["base"], int(m["seed"])
 
 
+def task_and_plugin(spec: dict):
+    """The mode's fairseq task and its --user-dir arguments (none for stock fairseq)."""
+    if spec["plugin"]:
+        return "translation_fp16", ["--user-dir", USER_DIR]
+    return "translation", []
+
+
 def decode(mode: str, spec: dict, a, run_dir: Path) -> dict:
     """Decode ``a.gen_subset`` with the run's last checkpoint and score it: result.json's "generate"."""
     ckpt = run_dir / "checkpoints" / "checkpoint_last.pt"
     if not ckpt.is_file():
         raise SystemExit(f"[{mode}] no checkpoint to decode: {ckpt} is missing")
-    task = "translation_fp16" if spec["plugin"] else "translation"
-    plugin = ["--user-dir", USER_DIR] if spec["plugin"] else []
+    task, plugin = task_and_plugin(spec)
     banner(f"[{mode}] decoding the {a.gen_subset} split: fairseq-generate {' '.join(spec['flags']) or '(fp32)'}")
     gen_dir = run_dir / "generate"
     gen_args = [a.data, *plugin, "--task", task, "--path", ckpt,
@@ -197,9 +203,8 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
     run_dir = out / mode
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = run_dir / "checkpoints"
-    task = "translation_fp16" if spec["plugin"] else "translation"
+    task, plugin = task_and_plugin(spec)
     optimizer = "fp16_adam" if spec["plugin"] else "adam"
-    plugin = ["--user-dir", USER_DIR] if spec["plugin"] else []
     log_file = run_dir / "train.out"
     train_args = [a.data, *plugin, "--task", task, "--optimizer", optimizer, "--seed", seed,
                   "--save-dir", ckpt_dir, "--log-format", "json",
