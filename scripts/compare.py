@@ -47,6 +47,8 @@ MODES = {
 #: ``MODE@seedN``: the mode trained with another seed, e.g. ``fp32@seed2``: a control run whose
 #: difference to fp32 is training-to-training variation alone.
 MODE_SPEC = re.compile(r"^(?P<base>[a-z0-9-]+?)(?:@seed(?P<seed>\d+))?$")
+#: settings.json keys that change training: --keep-existing needs them unchanged
+TRAIN_SETTINGS = ("data", "train_args", "seed")
 #: settings.json keys that only change decoding: --redecode may change them for kept runs
 DECODE_SETTINGS = ("gen_args", "gen_subset", "short_max_words")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
@@ -301,10 +303,10 @@ def main(argv=None) -> None:
     keep = set()
     if a.keep_existing and (a.out / "settings.json").exists():
         old = json.loads((a.out / "settings.json").read_text())
-        differ = [k for k in ("data", "train_args", "seed", *(() if a.redecode else DECODE_SETTINGS))
+        differ = [k for k in (*TRAIN_SETTINGS, *(() if a.redecode else DECODE_SETTINGS))
                   if old.get(k) != settings[k]]
         if differ:
-            hint = ("" if a.redecode or {"data", "train_args", "seed"} & set(differ)
+            hint = ("" if a.redecode or set(TRAIN_SETTINGS) & set(differ)
                     else " (or --redecode to decode the kept runs with the new ones)")
             ap.error(f"--keep-existing: {a.out} was made with other {', '.join(differ)}; "
                      f"use another --out or the same flags{hint}")
