@@ -65,6 +65,20 @@ def prepare_debian(data_dir: Path, max_train_tokens: int = DEBIAN_MAX_TRAIN_TOKE
     return data_dir / (f"bin-max{max_train_tokens}" if max_train_tokens else "bin")
 
 
+def debian_args(updates: int, dropout: float, beam: int = 1, lenpen: float = 1.0):
+    """compare.py's --train-args and --gen-args of the Debian recipe.
+
+    --lenpen is only written when it is not fairseq's default 1.0, so the default demo's flags
+    stay those of the committed report (a --keep-existing rerun finds them unchanged).
+    """
+    every = max(200, updates // 8)
+    train_args = (f"{DEBIAN_MODEL} --dropout {dropout} {DEBIAN_OPTIM} --max-update {updates} --cpu "
+                  f"--log-interval 25 --validate-interval-updates {every} --save-interval-updates {every} "
+                  "--keep-interval-updates 1 --no-epoch-checkpoints --num-workers 0")
+    decode = f"--beam {beam}" + (f" --lenpen {lenpen}" if lenpen != 1.0 else "")
+    return train_args, DEBIAN_GEN.replace("--beam 1", decode) + " --cpu"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "demo")
@@ -104,12 +118,7 @@ def main() -> None:
                   "demo instead", flush=True)
     if data is not None:
         updates = a.max_update or 2000
-        every = max(200, updates // 8)
-        train_args = (f"{DEBIAN_MODEL} --dropout {a.dropout} {DEBIAN_OPTIM} --max-update {updates} --cpu "
-                      f"--log-interval 25 --validate-interval-updates {every} --save-interval-updates {every} "
-                      "--keep-interval-updates 1 "
-                      "--no-epoch-checkpoints --num-workers 0")
-        gen_args = DEBIAN_GEN.replace("--beam 1", f"--beam {a.beam} --lenpen {a.lenpen}") + " --cpu"
+        train_args, gen_args = debian_args(updates, a.dropout, a.beam, a.lenpen)
         extra = ["--short-max-words", str(SHORT_MAX_WORDS)]
         out = a.out / "debian-ende"
     else:

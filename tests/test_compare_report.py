@@ -260,3 +260,18 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
         "**The runs were decoded with different flags, so their BLEU is not comparable:** "
         "fp32: `--beam 4 --lenpen 2.0`; fp16: `--beam 4 --lenpen 1.0`; bf16: `--beam 4 --lenpen 2.0`. "
         "Decode them again alike: `scripts/compare.py ... --keep-existing --redecode`.")
+
+
+@pytest.mark.parametrize("results, flags", [
+    ("debian-ende", dict(updates=2000, dropout=0.0)),
+    ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0)),
+])
+def test_demo_flags_are_those_of_the_committed_reports(results, flags):
+    # make demo (and the longer recipe's documented demo.py flags) reproduce the committed runs'
+    # training and decoding flags exactly, so a rerun compares like with like and
+    # --keep-existing accepts runs made before.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from demo import debian_args
+
+    settings = json.loads((ROOT / "examples" / "translation" / "results" / results / "settings.json").read_text())
+    assert debian_args(**flags) == (settings["train_args"], settings["gen_args"])
