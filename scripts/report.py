@@ -10,7 +10,9 @@ against fp32) and ``OUT/valid_loss_updates.png``, ``OUT/valid_loss_wall.png``,
 """
 
 import argparse
+import itertools
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -31,7 +33,7 @@ def load_results(out: Path):
 
 
 def paired_bootstrap(out: Path, results, n_samples: int, ids=None):
-    """{mode: p_value} of each run against fp32, from sacrebleu's paired bootstrap.
+    """{mode: p_value} of each run against the first (fp32), from sacrebleu's paired bootstrap.
 
     ``ids``: score only these sentence indices (the short-source subset).
     """
@@ -160,6 +162,86 @@ def spread_lines(spread):
     return lines
 
 
+def base_mode(r) -> str:
+    return r.get("base_mode", r["mode"])
+
+
+def permutation_p(a, b) -> float:
+    """Exact two-sided permutation test of the difference of means of two small samples.
+
+    Every split of the pooled values into groups of len(a) and len(b) is equally
+    likely if the label does not matter; p is the share of splits whose
+    difference of means is at least as large (in absolute value) as the observed one.
+    """
+    pooled, n = [*a, *b], len(a)
+    observed = abs(statistics.fmean(a) - statistics.fmean(b))
+    splits = list(itertools.combinations(range(len(pooled)), n))
+    hits = 0
+    for idx in splits:
+        x = [pooled[i] for i in idx]
+        y = [v for i, v in enumerate(pooled) if i not in idx]
+        hits += abs(statistics.fmean(x) - statistics.fmean(y)) >= observed - 1e-9
+    return hits / len(splits)
+
+
+def by_precision(out: Path, results, n_samples: int):
+    """BLEU per precision over its seeds, compared with fp32 two ways.
+
+    - same seed: each mixed run against the fp32 run of its seed (``fp32@seedN``),
+      d BLEU and sacrebleu's paired bootstrap p: the like-for-like pairs;
+    - over seeds: the difference of the mean BLEU to fp32's, and an exact
+      permutation test on the per-seed BLEU values (``permutation_p``; its
+      smallest possible p with these seed counts is given too). This test counts
+      training-to-training variation, which the bootstrap does not.
+
+    None unless some precision has runs with two or more seeds.
+    """
+    groups = {}
+    for r in results:
+        groups.setdefault(base_mode(r), {})[r.get("seed")] = r
+    if not any(len(g) > 1 for g in groups.values()):
+        return None
+    fp32 = groups.get("fp32", {})
+    rows = {}
+    for mode, runs in groups.items():
+        seeds = sorted(runs, key=lambda s: (s is None, s))
+        bleus = [runs[s]["generate"]["bleu"] for s in seeds]
+        row = {"seeds": seeds, "bleu": bleus, "mean": statistics.fmean(bleus),
+               "sd": statistics.stdev(bleus) if len(bleus) > 1 else None}
+        if mode != "fp32" and fp32:
+            f = [fp32[s]["generate"]["bleu"] for s in sorted(fp32, key=lambda s: (s is None, s))]
+            row["d_mean"] = row["mean"] - statistics.fmean(f)
+            if len(f) >= 2 and len(bleus) >= 2:
+                row["permutation_p"] = permutation_p(bleus, f)
+                row["min_permutation_p"] = 1 / math.comb(len(f) + len(bleus), len(bleus)) * (
+                    2 if len(f) == len(bleus) else 1)
+            row["same_seed"] = {}
+            for s in seeds:
+                if s in fp32:
+                    p = paired_bootstrap(out, [fp32[s], runs[s]], n_samples)[runs[s]["mode"]]
+                    row["same_seed"][s] = {"d_bleu": runs[s]["generate"]["bleu"] - fp32[s]["generate"]["bleu"],
+                                           "p": p}
+        rows[mode] = row
+    return rows
+
+
+def precision_table(rows) -> str:
+    """The report's table of :func:`by_precision`."""
+    cols = ["precision", "seeds", "BLEU per seed", "mean", "sd", "d mean (vs fp32)", "p over seeds",
+            "same seed: d BLEU (p)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for mode, v in rows.items():
+        perm = "-"
+        if "permutation_p" in v:
+            perm = f"{v['permutation_p']:.3f} (smallest possible {v['min_permutation_p']:.3f})"
+        same = "; ".join(f"seed {s}: {d['d_bleu']:+.2f} ({d['p']:.3f})" for s, d in v.get("same_seed", {}).items())
+        lines.append("| " + " | ".join([
+            mode, str(len(v["seeds"])), ", ".join(f"{b:.2f}" for b in v["bleu"]), f"{v['mean']:.2f}",
+            "-" if v["sd"] is None else f"{v['sd']:.2f}",
+            f"{v['d_mean']:+.2f}" if "d_mean" in v else "-", perm, same or "-"]) + " |")
+    return "\n".join(lines)
+
+
 def decoding_line(results, gen_args: str) -> str:
     """The report's line on the decoding flags; it names each run's flags when they differ
     (a ``compare.py --redecode`` that stopped part-way leaves runs decoded with other flags)."""
@@ -266,6 +348,13 @@ def main(argv=None) -> None:
     spread = seed_spread(results)
     if spread:
         md += ["", "Training-to-training variation (BLEU on the whole split):", "", *spread_lines(spread)]
+    precisions = by_precision(a.out, results, a.bootstrap)
+    if precisions:
+        md += ["", "Each precision over its seeds (BLEU on the whole split). *same seed*: each run against "
+               "the fp32 run of its seed, paired bootstrap p; *p over seeds*: exact permutation test of the "
+               "mean BLEU against fp32's over the per-seed values, which counts training-to-training "
+               "variation (with few seeds it cannot go below the smallest possible p):", "",
+               precision_table(precisions)]
     md += [
         "",
         "Training flags (all runs): `" + settings.get("train_args", "") + "`",
@@ -291,7 +380,7 @@ def main(argv=None) -> None:
             runs[r["mode"]]["short_bleu"] = r["generate"]["short"]["bleu"]
             runs[r["mode"]]["short_p_vs_fp32"] = short_p.get(r["mode"])
     # run names are user-chosen (fp32@seed7 -> fp32-seed7): keep them apart from the other keys
-    summary = {"runs": runs, "fp32_seed_spread": spread}
+    summary = {"runs": runs, "fp32_seed_spread": spread, "by_precision": precisions}
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(tab)
     if short:

@@ -246,6 +246,9 @@ def test_report_has_the_seed_spread_of_a_control_run(compared):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["fp32_seed_spread"]["seeds"] == [1, 2]
     assert list(summary["fp32_seed_spread"]["runs"]) == ["fp16"]
+    fp16 = summary["by_precision"]["fp16"]  # fp16 against the fp32 run of its own seed
+    assert list(fp16["same_seed"]) == ["1"] and 0 < fp16["same_seed"]["1"]["p"] <= 1
+    assert "| precision | seeds | BLEU per seed |" in md and "| fp32 | 2 |" in md
 
 
 def test_report_names_each_runs_decoding_flags_when_they_differ():
@@ -275,3 +278,45 @@ def test_demo_flags_are_those_of_the_committed_reports(results, flags):
 
     settings = json.loads((ROOT / "examples" / "translation" / "results" / results / "settings.json").read_text())
     assert debian_args(**flags) == (settings["train_args"], settings["gen_args"])
+
+
+def test_permutation_p_counts_the_splits_as_extreme_as_observed():
+    from report import permutation_p
+
+    # pooled 1..6 split 2 vs 4: only {1,2} and {5,6} differ by >= 3 in mean, of 15 splits
+    assert permutation_p([1, 2], [3, 4, 5, 6]) == pytest.approx(2 / 15)
+    assert permutation_p([1, 2], [3, 4]) == pytest.approx(2 / 6)  # the observed split and its mirror
+    assert permutation_p([3, 4], [3, 4]) == 1.0
+
+
+def _bleu_run(out, mode, seed, hyps, refs, base=None):
+    (out / mode).mkdir()
+    (out / mode / "hyps.txt").write_text("\n".join(hyps) + "\n")
+    (out / mode / "refs.txt").write_text("\n".join(refs) + "\n")
+    bleu = BLEU().corpus_score(hyps, [refs]).score
+    return {"mode": mode, "base_mode": base or mode, "seed": seed,
+            "generate": {"bleu": bleu, "hyps_file": "hyps.txt", "refs_file": "refs.txt"}}
+
+
+def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
+    from report import by_precision, precision_table
+
+    refs = [f"the {w} sat on the mat number {i} today" for i, w in enumerate(["cat", "dog", "cow"] * 20)]
+    worse = [r.replace("sat on", "lay at") if i % 2 else r for i, r in enumerate(refs)]
+    runs = [_bleu_run(tmp_path, "fp32", 1, refs, refs), _bleu_run(tmp_path, "fp16", 1, worse, refs),
+            _bleu_run(tmp_path, "fp32-seed2", 2, refs, refs, "fp32"),
+            _bleu_run(tmp_path, "fp16-seed2", 2, refs, refs, "fp16"),
+            _bleu_run(tmp_path, "bf16", 1, refs, refs)]
+    rows = by_precision(tmp_path, runs, 200)
+    assert list(rows) == ["fp32", "fp16", "bf16"]
+    assert rows["fp32"]["seeds"] == [1, 2] and rows["fp32"]["mean"] == pytest.approx(100.0)
+    fp16 = rows["fp16"]
+    assert fp16["d_mean"] == pytest.approx((runs[1]["generate"]["bleu"] - 100) / 2)
+    assert fp16["same_seed"][1]["p"] < 0.05 and fp16["same_seed"][1]["d_bleu"] < -10
+    assert fp16["same_seed"][2] == {"d_bleu": 0.0, "p": 1.0}  # identical output
+    # per-seed BLEU fp16 (x, 100) vs fp32 (100, 100): every split differs by as much, so p = 1
+    assert fp16["permutation_p"] == 1.0 and fp16["min_permutation_p"] == pytest.approx(2 / 6)
+    assert rows["bf16"]["sd"] is None and "permutation_p" not in rows["bf16"]
+    table = precision_table(rows)
+    assert "| fp16 | 2 |" in table and "seed 2: +0.00 (1.000)" in table
+    assert by_precision(tmp_path, [runs[0], runs[1], runs[4]], 200) is None  # one seed each: no table
