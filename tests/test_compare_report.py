@@ -320,3 +320,14 @@ def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
     table = precision_table(rows)
     assert "| fp16 | 2 |" in table and "seed 2: +0.00 (1.000)" in table
     assert by_precision(tmp_path, [runs[0], runs[1], runs[4]], 200) is None  # one seed each: no table
+
+
+@pytest.mark.parametrize("results", ["debian-ende", "debian-ende-long"])
+def test_recipe_readme_quotes_the_committed_reports_bleu(results):
+    # examples/translation/README.md's tables are copied from the committed reports: every run's
+    # BLEU and p there must be the one in its summary.json (a rerun replaces both together).
+    readme = (ROOT / "examples" / "translation" / "README.md").read_text()
+    summary = json.loads((ROOT / "examples" / "translation" / "results" / results / "summary.json").read_text())
+    for mode, run in summary["runs"].items():
+        row = f"| {run['bleu']:.2f} | " + ("-" if run["p_vs_fp32"] is None else f"{run['p_vs_fp32']:.3f}") + " |"
+        assert row in readme.replace("**", ""), (results, mode, row)
