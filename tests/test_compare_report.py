@@ -164,8 +164,9 @@ def test_report_table_and_plots(compared):
                 "p (vs fp32)", "chrF"):
         assert f" {col} " in header
     rows = [l for l in md.splitlines() if l.startswith("| fp")]
-    # all sentences, then short ones
-    assert [r.split(" | ")[0] for r in rows] == ["| fp32", "| fp16", "| fp32-seed2"] * 2
+    # all sentences, each precision over its seeds (fp32 has two), then short ones
+    runs = ["| fp32", "| fp16", "| fp32-seed2"]
+    assert [r.split(" | ")[0] for r in rows] == runs + ["| fp32", "| fp16"] + runs
     assert rows[0].split(" | ")[3] == "1.00"  # fp32's ratio to itself
     for png in ("valid_loss_updates.png", "valid_loss_wall.png", "loss_scale.png", "throughput.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
