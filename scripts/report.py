@@ -116,6 +116,12 @@ def short_table(results, pvals):
     return "\n".join(lines)
 
 
+def base_mode(r) -> str:
+    """The mode a run was trained in: ``fp32`` for ``fp32-seed2`` (results before compare.py
+    stored ``base_mode`` are their own mode)."""
+    return r.get("base_mode", r["mode"])
+
+
 def seed_spread(results):
     """fp32's BLEU over its seeds, and where each mixed run of the base seed falls among them.
 
@@ -132,14 +138,14 @@ def seed_spread(results):
         fp32 seeds' range.
     """
     base_seed = results[0].get("seed")
-    fp32 = [r for r in results if r.get("base_mode", r["mode"]) == "fp32"]
+    fp32 = [r for r in results if base_mode(r) == "fp32"]
     if len(fp32) < 2:
         return None
     bleus = [r["generate"]["bleu"] for r in fp32]
     mean, sd = statistics.fmean(bleus), statistics.stdev(bleus)
     runs = {}
     for r in results:
-        if r.get("base_mode", r["mode"]) == "fp32" or r.get("seed", base_seed) != base_seed:
+        if base_mode(r) == "fp32" or r.get("seed", base_seed) != base_seed:
             continue
         b = r["generate"]["bleu"]
         runs[r["mode"]] = {"bleu": b, "d_mean": b - mean, "z": (b - mean) / sd if sd else None,
@@ -160,10 +166,6 @@ def spread_lines(spread):
         lines.append(f"- {mode}: BLEU {v['bleu']:.2f}, {v['d_mean']:+.2f} from the fp32 seeds' mean{z}; "
                      f"{where} their range ({spread['min']:.2f} to {spread['max']:.2f}).")
     return lines
-
-
-def base_mode(r) -> str:
-    return r.get("base_mode", r["mode"])
 
 
 def permutation_p(a, b) -> float:
@@ -336,7 +338,7 @@ def main(argv=None) -> None:
     ]
     controls = [r for r in results[1:] if r.get("seed", settings.get("seed")) != results[0].get("seed")]
     for r in controls:
-        base = r.get("base_mode", r["mode"])
+        base = base_mode(r)
         head = f"- {r['mode']}: {base} trained with seed {r['seed']} instead of {results[0].get('seed')}."
         if base == "fp32":
             md.append(head + " Its d BLEU and p against fp32 are training-to-training variation, which the "
