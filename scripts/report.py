@@ -186,7 +186,7 @@ def permutation_p(a, b) -> float:
     return hits / len(splits)
 
 
-def by_precision(out: Path, results, n_samples: int):
+def by_precision(out: Path, results, n_samples: int, pvals=None):
     """BLEU per precision over its seeds, compared with fp32 two ways.
 
     - same seed: each mixed run against the fp32 run of its seed (``fp32@seedN``),
@@ -196,7 +196,9 @@ def by_precision(out: Path, results, n_samples: int):
       smallest possible p with these seed counts is given too). This test counts
       training-to-training variation, which the bootstrap does not.
 
-    None unless some precision has runs with two or more seeds.
+    ``pvals``: :func:`paired_bootstrap`'s p values against ``results[0]``, reused for the pairs
+    with that run instead of drawn again. None unless some precision has runs with two or more
+    seeds.
     """
     groups = {}
     for r in results:
@@ -204,6 +206,7 @@ def by_precision(out: Path, results, n_samples: int):
     if not any(len(g) > 1 for g in groups.values()):
         return None
     fp32 = groups.get("fp32", {})
+    fp32_bleus = [fp32[s]["generate"]["bleu"] for s in sorted(fp32, key=lambda s: (s is None, s))]
     rows = {}
     for mode, runs in groups.items():
         seeds = sorted(runs, key=lambda s: (s is None, s))
@@ -211,7 +214,7 @@ def by_precision(out: Path, results, n_samples: int):
         row = {"seeds": seeds, "bleu": bleus, "mean": statistics.fmean(bleus),
                "sd": statistics.stdev(bleus) if len(bleus) > 1 else None}
         if mode != "fp32" and fp32:
-            f = [fp32[s]["generate"]["bleu"] for s in sorted(fp32, key=lambda s: (s is None, s))]
+            f = fp32_bleus
             row["d_mean"] = row["mean"] - statistics.fmean(f)
             if len(f) >= 2 and len(bleus) >= 2:
                 row["permutation_p"] = permutation_p(bleus, f)
@@ -220,7 +223,10 @@ def by_precision(out: Path, results, n_samples: int):
             row["same_seed"] = {}
             for s in seeds:
                 if s in fp32:
-                    p = paired_bootstrap(out, [fp32[s], runs[s]], n_samples)[runs[s]["mode"]]
+                    if fp32[s] is results[0] and pvals and runs[s]["mode"] in pvals:
+                        p = pvals[runs[s]["mode"]]
+                    else:
+                        p = paired_bootstrap(out, [fp32[s], runs[s]], n_samples)[runs[s]["mode"]]
                     row["same_seed"][s] = {"d_bleu": runs[s]["generate"]["bleu"] - fp32[s]["generate"]["bleu"],
                                            "p": p}
         rows[mode] = row
@@ -350,7 +356,7 @@ def main(argv=None) -> None:
     spread = seed_spread(results)
     if spread:
         md += ["", "Training-to-training variation (BLEU on the whole split):", "", *spread_lines(spread)]
-    precisions = by_precision(a.out, results, a.bootstrap)
+    precisions = by_precision(a.out, results, a.bootstrap, pvals)
     if precisions:
         md += ["", "Each precision over its seeds (BLEU on the whole split). *same seed*: each run against "
                "the fp32 run of its seed, paired bootstrap p; *p over seeds*: exact permutation test of the "
