@@ -5,7 +5,8 @@
 
 Without DATA_BIN the synthetic corpus (scripts/make_toy_corpus.py) is built in a
 temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
-plugin, --half-matmul auto), their -native / -fp32acc variants, and fp16-stock
+plugin, --half-matmul auto), their -native / -fp32acc variants, bf16-cache1024
+(--cpu-kernel-cache 1024: torch's default kernel-cache sizes), and fp16-stock
 (stock fairseq --fp16, no plugin; CUDA only). Peak memory: the CUDA allocator's
 peak on --cuda, the process's peak RSS on the CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with
 --cuda) for --updates updates without validation or checkpoints; ms/update is
@@ -39,6 +40,7 @@ MODES = {
     "bf16": ["--bf16"],
     "bf16-native": ["--bf16", "--half-matmul", "native"],
     "bf16-fp32acc": ["--bf16", "--half-matmul", "fp32-accumulate"],
+    "bf16-cache1024": ["--bf16", "--cpu-kernel-cache", "1024"],  # torch's own cache sizes
 }
 STOCK = {"fp16-stock"}
 ENV = {"tf32": {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}}

@@ -17,6 +17,8 @@ CASES = [
     (["--fp16", "--fp32-modules", "(bad"], r"--fp32-modules is not a valid regular expression: '\(bad'"),
     (["--fp16", "--adam-betas", "(0.9,)"], r"--adam-betas must be two numbers like '\(0.9, 0.98\)'"),
     (["--fp16", "--adam-backend", "apex"], r"--adam-backend apex needs NVIDIA apex"),
+    (["--bf16", "--cpu-kernel-cache", "0"],
+     r"--cpu-kernel-cache must be an integer >= 1 \(kernels kept per cache; torch's default is 1024\), got 0"),
     (["--fp16", "--half-matmul", "fast"],
      r"argument --half-matmul: invalid choice: 'fast' \(choose from '?auto'?, '?native'?, '?fp32-accumulate'?\)"),
 ]
@@ -47,3 +49,16 @@ def test_static_scale_with_bf16_warns_that_it_is_not_needed(toy_data, tmp_path):
     assert ("--loss-scale 8 with --bf16: bf16 has fp32's exponent range and needs no loss scaling"
             in proc.stdout + proc.stderr)
     assert [r["loss_scale"] for r in recs] == [8.0, 8.0]
+
+
+def test_cpu_kernel_cache_caps_both_caches_unless_the_environment_sets_them(toy_data, tmp_path, monkeypatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "300")
+    proc, recs = train(toy_data, tmp_path, "--bf16", "--half-matmul", "native", "--cpu-kernel-cache", "16",
+                       "--max-update", "2", "--no-save")
+    assert ("CPU kernel caches: ONEDNN_PRIMITIVE_CACHE_CAPACITY=16, LRU_CACHE_CAPACITY=300 "
+            "(--cpu-kernel-cache 16; a variable set in the environment wins)") in proc.stdout + proc.stderr
+    assert len(recs) == 2
+    proc, _ = train(toy_data, tmp_path / "fp16", "--fp16", "--half-matmul", "fp32-accumulate",
+                    "--max-update", "1", "--no-save")
+    assert "CPU kernel caches" not in proc.stdout + proc.stderr  # fp32 products: no oneDNN caches

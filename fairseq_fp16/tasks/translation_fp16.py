@@ -45,6 +45,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
+from ..core.cpu_kernel_cache import cap_cpu_kernel_caches, check_capacity
 from ..core.fp32_islands import apply_fp32_islands
 from ..core.half_matmul import HALF_MATMUL_CHOICES, half_matmul_context, resolve_half_matmul
 from ..core.loss_scaler import parse_loss_scale
@@ -91,6 +92,15 @@ class TranslationFP16Config(TranslationConfig):
             "multiplies in fp32 and rounds to half (a GPU tensor core's numerics, at fp32 "
             "speed); native uses torch's half kernels; auto picks fp32-accumulate when the "
             "CPU has no units for the dtype. CUDA is never affected"
+        },
+    )
+    cpu_kernel_cache: int = field(
+        default=64,
+        metadata={
+            "help": "CPU half runs with native kernels: oneDNN keeps a compiled kernel per "
+            "matrix shape in two caches (torch's default: 1024 each), and a run's memory grows "
+            "with every batch shape until they are full; this caps both. Sets "
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY unless already set"
         },
     )
     scale_trace: Optional[str] = field(
@@ -144,6 +154,7 @@ def validate_precision_flags(cfg) -> None:
             "--precision-stats-interval must be >= 0 (0 = off), "
             f"got {cfg.precision_stats_interval!r}"
         )
+    check_capacity(cfg.cpu_kernel_cache)
     if getattr(cfg, "bf16", False) and scale:
         logger.warning(
             "--loss-scale %s with --bf16: bf16 has fp32's exponent range and needs no "
@@ -170,6 +181,13 @@ class TranslationFP16Task(TranslationTask):
                 "fp32 accumulation, rounded to half" if self.fp32_accumulate else "native kernels",
                 cfg.half_matmul,
             )
+            if not self.fp32_accumulate:
+                caps = cap_cpu_kernel_caches(cfg.cpu_kernel_cache)
+                logger.info(
+                    "CPU kernel caches: %s (--cpu-kernel-cache %s; a variable set in the "
+                    "environment wins)", ", ".join(f"{k}={v}" for k, v in caps.items()),
+                    cfg.cpu_kernel_cache,
+                )
 
     @property
     def half_dtype(self) -> Optional[torch.dtype]:

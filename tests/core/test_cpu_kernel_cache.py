@@ -1,0 +1,73 @@
+"""--cpu-kernel-cache: the capacities it sets, and the memory growth it stops."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_fp16.core.cpu_kernel_cache import CACHE_ENV_VARS, cap_cpu_kernel_caches, check_capacity
+from fairseq_fp16.core.half_matmul import cpu_has_native_half
+
+
+def test_sets_both_capacities_and_leaves_the_users_own():
+    env = {}
+    assert cap_cpu_kernel_caches(64, env) == {
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+    env = {"LRU_CACHE_CAPACITY": "512", "OTHER": "x"}
+    assert cap_cpu_kernel_caches("16", env) == {
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "512"}
+    assert env["OTHER"] == "x"
+
+
+@pytest.mark.parametrize("bad", [0, -3, "2.5", "many", None])
+def test_a_capacity_below_one_or_not_an_integer_is_refused(bad):
+    env = {}
+    with pytest.raises(ValueError, match=r"--cpu-kernel-cache must be an integer >= 1 .*got "
+                       + re.escape(repr(bad))):
+        cap_cpu_kernel_caches(bad, env)
+    assert env == {}
+    assert check_capacity("7") == 7
+
+
+# bf16 linear layers, forward and backward, on 120 batch shapes as a translation
+# batcher makes them; prints resident MB after 10 steps and at the end.
+PROBE = r"""
+import json, os, random, sys
+import torch
+if sys.argv[1] != "none":
+    from fairseq_fp16.core.cpu_kernel_cache import cap_cpu_kernel_caches
+    cap_cpu_kernel_caches(int(sys.argv[1]))
+torch.set_num_threads(1)
+torch.manual_seed(0)
+rng = random.Random(0)
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+layers = [torch.nn.Linear(256, 2048).bfloat16(), torch.nn.Linear(256, 512).bfloat16()]
+shapes = rng.sample([(b, t) for b in range(8, 64) for t in range(4, 40)], 120)
+for i, (b, t) in enumerate(shapes):
+    x = torch.randn(b, t, 256, dtype=torch.bfloat16, requires_grad=True)
+    sum(layer(x).float().sum() for layer in layers).backward()
+    if i == 9:
+        start = rss_mb()
+print(json.dumps({"growth_mb": rss_mb() - start}))
+"""
+
+
+@pytest.mark.skipif(not cpu_has_native_half(torch.bfloat16),
+                    reason="bf16 products take oneDNN's kernels only on CPUs with bf16 units")
+def test_capped_caches_stop_bf16_memory_growing_with_batch_shapes():
+    def growth(capacity):
+        env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV_VARS}
+        out = subprocess.run([sys.executable, "-c", PROBE, capacity], capture_output=True,
+                             text=True, env=env, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])["growth_mb"]
+
+    uncapped, capped = growth("none"), growth("8")
+    # measured here: 424 MB uncapped, 12 MB capped at 8 (103 MB at the default 64)
+    assert uncapped > 150, uncapped
+    assert capped < uncapped / 4, (capped, uncapped)
