@@ -17,6 +17,9 @@ What it adds to ``translation``:
 * ``--half-matmul``: on CPUs without half-precision units, the train step,
   valid step and generation run their matrix products with fp32 accumulation
   (:mod:`fairseq_fp16.core.half_matmul`);
+* ``--cpu-kernel-cache``: caps oneDNN's per-shape kernel caches for CPU half
+  runs on native kernels, whose memory otherwise grows with every batch shape
+  (:mod:`fairseq_fp16.core.cpu_kernel_cache`);
 * the diagnostics flags ``--scale-trace``, ``--precision-stats-interval`` and
   ``--precision-stats`` (read by the mixed-precision optimizer);
 * ``fairseq-generate --bf16`` casts the models to bf16 (stock fairseq-generate
