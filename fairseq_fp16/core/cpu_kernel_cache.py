@@ -4,7 +4,7 @@ On the CPU, torch runs bf16 (and native fp16) matrix products through oneDNN,
 which keeps a compiled kernel per operand shape in two least-recently-used
 caches: oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and
 ideep's (``LRU_CACHE_CAPACITY``), 1,024 entries each by default. fp32 products
-go to BLAS and cache nothing. Translation batches come in hundreds of shapes
+go to BLAS and do not use these caches. Translation batches come in hundreds of shapes
 (tokens per batch vary), each cached kernel holds memory of its own, and a bf16
 run's resident memory grows with every new shape until both caches are full:
 on this project's demo, 3.6x the fp32 run's peak.
