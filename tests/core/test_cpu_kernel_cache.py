@@ -21,6 +21,7 @@ def test_sets_both_capacities_and_leaves_the_users_own():
     assert cap_cpu_kernel_caches("16", env) == {
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "512"}
     assert env["OTHER"] == "x"
+    assert check_capacity("7") == 7
 
 
 @pytest.mark.parametrize("bad", [0, -3, "2.5", "many", None])
@@ -30,11 +31,10 @@ def test_a_capacity_below_one_or_not_an_integer_is_refused(bad):
                        + re.escape(repr(bad))):
         cap_cpu_kernel_caches(bad, env)
     assert env == {}
-    assert check_capacity("7") == 7
 
 
 # bf16 linear layers, forward and backward, on 120 batch shapes as a translation
-# batcher makes them; prints resident MB after 10 steps and at the end.
+# batcher makes them; prints how much resident memory grew from step 10 to the end.
 PROBE = r"""
 import json, os, random, sys
 import torch
