@@ -5,7 +5,7 @@ For each mode (same data, seed and hyper-parameters) this runs ``fairseq-train``
 then ``fairseq-generate`` on the test split, scores the detokenised output
 with sacrebleu (BLEU and chrF, with signatures), and writes
 ``OUT/<mode>/result.json`` (timings, peak memory, losses, loss-scale trace,
-skipped updates, scores) plus the hypothesis and reference files. Tables and
+skipped updates, scores, the machine and the CPU matrix-product path) plus the hypothesis and reference files. Tables and
 plots come from ``scripts/report.py OUT``.
 
     python scripts/compare.py DATA_BIN --out OUT --modes fp32,fp16,bf16 \\
@@ -51,6 +51,8 @@ MODE_SPEC = re.compile(r"^(?P<base>[a-z0-9-]+?)(?:@seed(?P<seed>\d+))?$")
 TRAIN_SETTINGS = ("data", "train_args", "seed")
 #: settings.json keys that only change decoding: --redecode may change them for kept runs
 DECODE_SETTINGS = ("gen_args", "gen_subset", "short_max_words")
+#: translation_fp16's log line on the CPU matrix-product path a half-precision run took
+HALF_MATMUL_LOG = re.compile(r"CPU (?:fp16|bf16) matrix products: (.+?) \((--half-matmul \S+)\)")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
 
 
@@ -224,6 +226,8 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
     ups = [r["ups"] for r in steady if isinstance(r.get("ups"), (int, float))]
     wps = [r["wps"] for r in steady if isinstance(r.get("wps"), (int, float))]
 
+    half_matmul = HALF_MATMUL_LOG.search(log_file.read_text())
+
     def wall_at(update):
         walls = [r["wall"] for r in inner if r["num_updates"] <= update and "wall" in r]
         return walls[-1] if walls else None
@@ -234,6 +238,10 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
         "plugin": spec["plugin"],
         "seed": seed,
         "train_command": ["fairseq-train", *map(str, train_args)],
+        # the hardware and versions of the training process (scripts/run_stats.py)
+        "machine": t_stats.get("machine"),
+        # e.g. "fp32 accumulation, rounded to half (--half-matmul auto)"; None: fp32 or CUDA
+        "half_matmul": f"{half_matmul.group(1)} ({half_matmul.group(2)})" if half_matmul else None,
         "train": {
             "wall_s": round(t_stats["wall_s"], 2),
             "peak_rss_mb": round(t_stats["peak_rss_mb"], 1),

@@ -214,12 +214,11 @@ def by_precision(out: Path, results, n_samples: int, pvals=None):
         row = {"seeds": seeds, "bleu": bleus, "mean": statistics.fmean(bleus),
                "sd": statistics.stdev(bleus) if len(bleus) > 1 else None}
         if mode != "fp32" and fp32:
-            f = fp32_bleus
-            row["d_mean"] = row["mean"] - statistics.fmean(f)
-            if len(f) >= 2 and len(bleus) >= 2:
-                row["permutation_p"] = permutation_p(bleus, f)
-                row["min_permutation_p"] = 1 / math.comb(len(f) + len(bleus), len(bleus)) * (
-                    2 if len(f) == len(bleus) else 1)
+            row["d_mean"] = row["mean"] - statistics.fmean(fp32_bleus)
+            if len(fp32_bleus) >= 2 and len(bleus) >= 2:
+                row["permutation_p"] = permutation_p(bleus, fp32_bleus)
+                row["min_permutation_p"] = 1 / math.comb(len(fp32_bleus) + len(bleus), len(bleus)) * (
+                    2 if len(fp32_bleus) == len(bleus) else 1)
             row["same_seed"] = {}
             for s in seeds:
                 if s in fp32:
@@ -248,6 +247,42 @@ def precision_table(rows) -> str:
             "-" if v["sd"] is None else f"{v['sd']:.2f}",
             f"{v['d_mean']:+.2f}" if "d_mean" in v else "-", perm, same or "-"]) + " |")
     return "\n".join(lines)
+
+
+def describe_machine(m: dict) -> str:
+    """One line of a result.json's ``machine`` record (scripts/run_stats.py)."""
+    units = ", ".join(f"{d} units: {'yes' if m.get(f'cpu_native_{d}') else 'no'}" for d in ("bf16", "fp16"))
+    device = "the CPU" if m.get("device") == "cpu" else m.get("device")
+    return (f"{m.get('cpu')} ({m.get('cpu_cores')} cores; {units}), trained on {device}; "
+            f"torch {m.get('torch')}, fairseq {m.get('fairseq')}, Python {m.get('python')}")
+
+
+def machine_lines(results) -> list:
+    """The report's lines on where the runs ran and which CPU matrix-product path each half run
+    took. Runs recorded before result.json held a machine are listed as not recorded; runs on
+    different machines or versions get a warning, as their speed and memory do not compare."""
+    groups = {}
+    for r in results:
+        key = describe_machine(r["machine"]) if r.get("machine") else None
+        groups.setdefault(key, []).append(r["mode"])
+    if set(groups) == {None}:
+        return []
+    if len(groups) == 1:
+        lines = [f"Machine (all runs): {next(iter(groups))}."]
+    else:
+        lines = ["Machines: " + "; ".join(f"{', '.join(modes)}: {key or 'not recorded'}"
+                                          for key, modes in groups.items()) + "."]
+        if len([k for k in groups if k]) > 1:
+            lines[0] = ("**The runs ran on different machines or versions: their speed and memory "
+                        "do not compare.** " + lines[0])
+    paths = {}
+    for r in results:
+        if r.get("half_matmul"):
+            paths.setdefault(r["half_matmul"], []).append(r["mode"])
+    if paths:
+        lines.append("CPU half-precision matrix products: " + "; ".join(
+            f"{', '.join(modes)}: {path}" for path, modes in paths.items()) + ".")
+    return lines
 
 
 def decoding_line(results, gen_args: str) -> str:
@@ -325,6 +360,7 @@ def main(argv=None) -> None:
     tab, mem_key = table(results, pvals)
     pngs = plots(a.out, results)
     g0 = results[0]["generate"]
+    where = machine_lines(results)
     mem_note = ("CUDA allocator peak" if mem_key == "peak_cuda_mb"
                 else "process peak RSS (includes the Python interpreter and torch)")
     md = [
@@ -332,6 +368,7 @@ def main(argv=None) -> None:
         "",
         f"Data: `{settings.get('data', '?')}`; seed {settings.get('seed', '?')}; "
         f"started {settings.get('started', '?')}, finished {settings.get('finished', '?')}.",
+        *[x for line in where for x in ("", line)],
         "",
         tab,
         "",

@@ -2,22 +2,72 @@
 
     python scripts/run_stats.py STATS.json fairseq-train ARGS...
 
-Writes ``{"wall_s", "peak_rss_mb", "peak_cuda_mb", "exit_code"}`` to STATS.json
-when the command ends, whatever the outcome. Peak RSS is the process's
+Writes ``{"wall_s", "peak_rss_mb", "peak_cuda_mb", "exit_code", "machine"}`` to
+STATS.json when the command ends, whatever the outcome (``machine``: see
+:func:`machine`). Peak RSS is the process's
 high-water mark (``getrusage``), so it includes the interpreter and torch
 (a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak.
 It imports nothing of fairseq before the CLI module, so the CLI sets up logging.
 """
 
 import json
+import os
+import platform
 import resource
 import sys
 import time
+from importlib import metadata
 
 CLIS = {
     "fairseq-train": "fairseq_cli.train",
     "fairseq-generate": "fairseq_cli.generate",
 }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(*dists: str):
+    for d in dists:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def machine(args) -> dict:
+    """What a run's speed and memory depend on, read in the process that ran it.
+
+    ``cpu``: the CPU's model name; ``cpu_cores``: the cores this process may use;
+    ``cpu_native_bf16`` / ``cpu_native_fp16``: whether the CPU has arithmetic units for
+    them (what ``--half-matmul auto`` decides by); ``device``: ``cpu`` or the CUDA
+    device's name; versions of torch, fairseq and Python.
+    """
+    import torch
+
+    from fairseq_fp16.core.half_matmul import cpu_has_native_half
+
+    cuda = torch.cuda.is_available() and "--cpu" not in args
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": _cpu_name(),
+        "cpu_cores": cores,
+        "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
+        "cpu_native_fp16": cpu_has_native_half(torch.float16),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "fairseq": _version("fairseq-fixed", "fairseq"),
+        "python": platform.python_version(),
+    }
 
 
 def main(argv=None) -> int:
@@ -49,6 +99,7 @@ def main(argv=None) -> int:
             "peak_cuda_mb": (torch.cuda.max_memory_allocated() / 2**20
                              if torch.cuda.is_available() and torch.cuda.is_initialized() else None),
             "exit_code": code,
+            "machine": machine(args),
         }
         with open(stats_path, "w") as f:
             json.dump(stats, f)

@@ -1,12 +1,18 @@
 """scripts/compare.py and scripts/report.py on the tiny corpus: schema, table, plots, BLEU."""
 
 import json
+import os
+import platform
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
+import torch
 from sacrebleu.metrics import BLEU
+
+from fairseq_fp16.core.half_matmul import cpu_has_native_half
 
 from conftest import ROOT, TINY_MODEL
 
@@ -44,6 +50,46 @@ def test_result_json_schema(compared):
     r16 = json.loads((out / "fp16" / "result.json").read_text())
     assert [x["loss_scale"] for x in r16["train"]["train_inner"]] == [128] * 6
     assert "--fp16" in r16["train_command"] and "translation_fp16" in r16["train_command"]
+
+
+def test_result_json_records_the_machine_and_the_matmul_path(compared):
+    out, _ = compared
+    r32, r16 = (json.loads((out / m / "result.json").read_text()) for m in ("fp32", "fp16"))
+    m = r16["machine"]
+    assert m == r32["machine"]
+    assert m["cpu_cores"] == len(os.sched_getaffinity(0)) and m["device"] == "cpu"
+    assert (m["torch"], m["python"]) == (torch.__version__, platform.python_version())
+    assert m["fairseq"] == metadata.version("fairseq-fixed")
+    assert (m["cpu_native_bf16"], m["cpu_native_fp16"]) == (
+        cpu_has_native_half(torch.bfloat16), cpu_has_native_half(torch.float16))
+    # --half-matmul auto on the CPU: fp32 accumulation unless the CPU has fp16 units
+    path = "native kernels" if m["cpu_native_fp16"] else "fp32 accumulation, rounded to half"
+    assert r16["half_matmul"] == f"{path} (--half-matmul auto)"
+    assert r32["half_matmul"] is None
+    md = (out / "report.md").read_text()
+    assert f"\n\nMachine (all runs): {m['cpu']} ({m['cpu_cores']} cores; " in md
+    assert f"\n\nCPU half-precision matrix products: fp16: {path} (--half-matmul auto).\n" in md
+
+
+def test_report_warns_when_runs_ran_on_different_machines():
+    from report import machine_lines
+
+    cpu = {"cpu": "AMD EPYC", "cpu_cores": 2, "cpu_native_bf16": True, "cpu_native_fp16": False,
+           "device": "cpu", "torch": "2.13.0+cpu", "fairseq": "0.12.3.1", "python": "3.11.7"}
+    same = ("AMD EPYC (2 cores; bf16 units: yes, fp16 units: no), trained on the CPU; "
+            "torch 2.13.0+cpu, fairseq 0.12.3.1, Python 3.11.7")
+    runs = [{"mode": "fp32", "machine": cpu, "half_matmul": None},
+            {"mode": "bf16", "machine": cpu, "half_matmul": "native kernels (--half-matmul auto)"}]
+    assert machine_lines(runs) == [f"Machine (all runs): {same}.",
+                                   "CPU half-precision matrix products: bf16: native kernels (--half-matmul auto)."]
+    old = {"mode": "fp32-seed2"}  # written before result.json recorded its machine
+    assert machine_lines([old]) == []
+    assert machine_lines(runs[:1] + [old]) == [f"Machines: fp32: {same}; fp32-seed2: not recorded."]
+    gpu = dict(cpu, device="NVIDIA H200")
+    lines = machine_lines(runs + [{"mode": "fp16", "machine": gpu, "half_matmul": None}])
+    assert lines[0].startswith("**The runs ran on different machines or versions: their speed and memory "
+                               f"do not compare.** Machines: fp32, bf16: {same}; fp16: AMD EPYC (2 cores; ")
+    assert "trained on NVIDIA H200;" in lines[0]
 
 
 def test_seed_control_run_is_fp32_with_another_seed(compared):
