@@ -82,7 +82,8 @@ def main():
     ap.add_argument("--cuda", action="store_true", help="train on the GPU instead of --cpu")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--native-updates", type=int, default=10,
-                    help="updates for fp16-native on a CPU without fp16 units (very slow)")
+                    help="updates for fp16-native / bf16-native on a CPU without units for their "
+                    "dtype (slow; run once, not --repeats times)")
     a = ap.parse_args()
     modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
@@ -97,12 +98,15 @@ def main():
     from fairseq_fp16.core.half_matmul import cpu_has_native_half
     import torch
 
-    runs = {m: [] for m in modes}
+    runs, once = {m: [] for m in modes}, []
     for _ in range(a.repeats):
         for mode in modes:
-            slow = mode == "fp16-native" and not a.cuda and not cpu_has_native_half(torch.float16)
+            native = {"fp16-native": torch.float16, "bf16-native": torch.bfloat16}.get(mode)
+            slow = native is not None and not a.cuda and not cpu_has_native_half(native)
             if slow and runs[mode]:
                 continue  # once is enough for the slow one
+            if slow:
+                once.append(mode)
             runs[mode].append(run(data, mode, a.native_updates if slow else a.updates, a.model, device))
     ms = {m: statistics.median(r[0] for r in v) for m, v in runs.items()}
     wps = {m: statistics.median(r[1] for r in v) for m, v in runs.items()}
@@ -117,6 +121,8 @@ def main():
     print(json.dumps({
         "model": a.model, "device": "cuda" if a.cuda else "cpu", "updates": a.updates,
         "repeats": a.repeats, "statistic": "median",
+        # native half modes on a CPU without units for their dtype: one run of --native-updates
+        "run_once": {m: a.native_updates for m in once},
         "cpu_native_fp16": cpu_has_native_half(torch.float16),
         "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
         "ms_per_update": {k: round(v, 1) for k, v in ms.items()},
