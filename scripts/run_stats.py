@@ -48,7 +48,8 @@ def machine(args) -> dict:
     """What a run's speed and memory depend on, read in the process that ran it.
 
     ``cpu``: the CPU's model name; ``cpu_cores``: the cores this process may use;
-    ``cpu_native_bf16`` / ``cpu_native_fp16``: whether the CPU has arithmetic units for
+    ``cpu_capability``: the instruction set torch picks its CPU kernels for (``AVX2``,
+    ``AVX512``, ...: fp32 results differ between them in the last bits); ``cpu_native_bf16`` / ``cpu_native_fp16``: whether the CPU has arithmetic units for
     them (what ``--half-matmul auto`` decides by); ``device``: ``cpu`` or the CUDA
     device's name; versions of torch, fairseq and Python.
     """
@@ -61,6 +62,7 @@ def machine(args) -> dict:
     return {
         "cpu": _cpu_name(),
         "cpu_cores": cores,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
         "cpu_native_fp16": cpu_has_native_half(torch.float16),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",

@@ -58,6 +58,7 @@ def test_result_json_records_the_machine_and_the_matmul_path(compared):
     m = r16["machine"]
     assert m == r32["machine"]
     assert m["cpu_cores"] == len(os.sched_getaffinity(0)) and m["device"] == "cpu"
+    assert m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert (m["torch"], m["python"]) == (torch.__version__, platform.python_version())
     assert m["fairseq"] == metadata.version("fairseq-fixed")
     assert (m["cpu_native_bf16"], m["cpu_native_fp16"]) == (
@@ -67,16 +68,17 @@ def test_result_json_records_the_machine_and_the_matmul_path(compared):
     assert r16["half_matmul"] == f"{path} (--half-matmul auto)"
     assert r32["half_matmul"] is None
     md = (out / "report.md").read_text()
-    assert f"\n\nMachine (all runs): {m['cpu']} ({m['cpu_cores']} cores; " in md
+    assert f"\n\nMachine (all runs): {m['cpu']} ({m['cpu_cores']} cores; torch kernels {m['cpu_capability']}; " in md
     assert f"\n\nCPU half-precision matrix products: fp16: {path} (--half-matmul auto).\n" in md
 
 
 def test_report_warns_when_runs_ran_on_different_machines():
     from report import machine_lines
 
-    cpu = {"cpu": "AMD EPYC", "cpu_cores": 2, "cpu_native_bf16": True, "cpu_native_fp16": False,
-           "device": "cpu", "torch": "2.13.0+cpu", "fairseq": "0.12.3.1", "python": "3.11.7"}
-    same = ("AMD EPYC (2 cores; bf16 units: yes, fp16 units: no), trained on the CPU; "
+    cpu = {"cpu": "AMD EPYC", "cpu_cores": 2, "cpu_capability": "AVX512", "cpu_native_bf16": True,
+           "cpu_native_fp16": False, "device": "cpu", "torch": "2.13.0+cpu", "fairseq": "0.12.3.1",
+           "python": "3.11.7"}
+    same = ("AMD EPYC (2 cores; torch kernels AVX512; bf16 units: yes, fp16 units: no), trained on the CPU; "
             "torch 2.13.0+cpu, fairseq 0.12.3.1, Python 3.11.7")
     runs = [{"mode": "fp32", "machine": cpu, "half_matmul": None},
             {"mode": "bf16", "machine": cpu, "half_matmul": "native kernels (--half-matmul auto)"}]
@@ -85,6 +87,9 @@ def test_report_warns_when_runs_ran_on_different_machines():
     old = {"mode": "fp32-seed2"}  # written before result.json recorded its machine
     assert machine_lines([old]) == []
     assert machine_lines(runs[:1] + [old]) == [f"Machines: fp32: {same}; fp32-seed2: not recorded."]
+    avx2 = dict(cpu, cpu_capability="AVX2", cpu_native_bf16=False)  # same model name, other CPU
+    assert machine_lines(runs[:1] + [{"mode": "fp32-seed2", "machine": avx2}])[0].startswith(
+        "**The runs ran on different machines")
     gpu = dict(cpu, device="NVIDIA H200")
     lines = machine_lines(runs + [{"mode": "fp16", "machine": gpu, "half_matmul": None}])
     assert lines[0].startswith("**The runs ran on different machines or versions: their speed and memory "
