@@ -210,7 +210,11 @@ def test_short_source_subset_is_scored_and_reported(compared):
 def test_report_table_and_plots(compared):
     out, stdout = compared
     md = (out / "report.md").read_text()
-    header = md.splitlines()[4]
+    lines = md.splitlines()
+    # the data line, the machine and matmul-path lines, then the table
+    assert [l.split(":")[0] for l in lines[2:7:2]] == [
+        "Data", "Machine (all runs)", "CPU half-precision matrix products"]
+    header = lines[8]
     for col in ("mode", "updates/s", "x fp32", "peak mem MB", "skipped", "final scale", "BLEU",
                 "p (vs fp32)", "chrF"):
         assert f" {col} " in header
