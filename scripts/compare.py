@@ -82,11 +82,6 @@ def run_with_stats(stats: Path, tool: str, args, log: Path) -> dict:
 _RECORD = re.compile(r"\| (train_inner|valid|train) \| (\{.*\})\s*$")
 
 
-def parse_json_log(path: Path):
-    """fairseq --log-format json output file -> records by tag (see parse_json_records)."""
-    return parse_json_records(path.read_text())
-
-
 def parse_json_records(text: str):
     """fairseq --log-format json output -> {'train_inner': [...], 'valid': [...], 'train': [...]}
 
@@ -215,7 +210,8 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
                   *shlex.split(a.train_args), *spec["flags"]]
     banner(f"[{mode}] training: fairseq-train {' '.join(spec['flags']) or '(fp32)'}")
     t_stats = run_with_stats(run_dir / "train_stats.json", "fairseq-train", train_args, log_file)
-    log = parse_json_log(log_file)
+    log_text = log_file.read_text()
+    log = parse_json_records(log_text)
     inner = log["train_inner"]
     if not inner:
         raise SystemExit(f"[{mode}] no train_inner records in {log_file}; use --log-interval")
@@ -226,7 +222,7 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
     ups = [r["ups"] for r in steady if isinstance(r.get("ups"), (int, float))]
     wps = [r["wps"] for r in steady if isinstance(r.get("wps"), (int, float))]
 
-    half_matmul = HALF_MATMUL_LOG.search(log_file.read_text())
+    half_matmul = HALF_MATMUL_LOG.search(log_text)
 
     def wall_at(update):
         walls = [r["wall"] for r in inner if r["num_updates"] <= update and "wall" in r]
