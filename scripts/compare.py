@@ -5,8 +5,9 @@ For each mode (same data, seed and hyper-parameters) this runs ``fairseq-train``
 then ``fairseq-generate`` on the test split, scores the detokenised output
 with sacrebleu (BLEU and chrF, with signatures), and writes
 ``OUT/<mode>/result.json`` (timings, peak memory, losses, loss-scale trace,
-skipped updates, scores, the machine and the CPU matrix-product path) plus the hypothesis and reference files. Tables and
-plots come from ``scripts/report.py OUT``.
+skipped updates, scores, the machine and the CPU matrix-product path) plus the
+hypothesis and reference files. Tables and plots come from
+``scripts/report.py OUT``.
 
     python scripts/compare.py DATA_BIN --out OUT --modes fp32,fp16,bf16 \\
         --train-args "--arch transformer --lr 1e-3 ... --max-update 500" \\

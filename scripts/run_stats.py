@@ -49,7 +49,8 @@ def machine(args) -> dict:
 
     ``cpu``: the CPU's model name; ``cpu_cores``: the cores this process may use;
     ``cpu_capability``: the instruction set torch picks its CPU kernels for (``AVX2``,
-    ``AVX512``, ...: fp32 results differ between them in the last bits); ``cpu_native_bf16`` / ``cpu_native_fp16``: whether the CPU has arithmetic units for
+    ``AVX512``, ...: fp32 results differ between them in the last bits);
+    ``cpu_native_bf16`` / ``cpu_native_fp16``: whether the CPU has arithmetic units for
     them (what ``--half-matmul auto`` decides by); ``device``: ``cpu`` or the CUDA
     device's name; versions of torch, fairseq and Python.
     """
@@ -101,8 +102,12 @@ def main(argv=None) -> int:
             "peak_cuda_mb": (torch.cuda.max_memory_allocated() / 2**20
                              if torch.cuda.is_available() and torch.cuda.is_initialized() else None),
             "exit_code": code,
-            "machine": machine(args),
         }
+        try:
+            stats["machine"] = machine(args)
+        except Exception as e:  # the timings still get written, and the run's own error raised
+            stats["machine"] = None
+            stats["machine_error"] = repr(e)
         with open(stats_path, "w") as f:
             json.dump(stats, f)
     return code
