@@ -4,7 +4,10 @@
     python scripts/bench_half_matmul.py [--layers 3 --dim 256 --batch 32 --seq 40 --steps 5]
 
 Same model (LayerNorms kept fp32 as in the plugin), same batch, forward + backward,
-in one process. The variants run interleaved for --rounds rounds and each reports
+in one process. fp32 accumulation runs twice: through the function mode
+``--half-matmul`` uses (``fp32-accumulate``) and through the dispatch mode alone
+(``fp32-accumulate dispatch``: a Python call on every aten op), same numbers.
+The variants run interleaved for --rounds rounds and each reports
 the median of its per-step times, so a noisy machine shifts all of them alike.
 Prints a table and, as its last line, one JSON object with the ms/step of each
 variant and its ratio to fp32. Native fp16 on a CPU without fp16 units is very
@@ -12,6 +15,7 @@ slow: it runs --slow-steps steps per round only.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -20,6 +24,10 @@ import torch
 
 from fairseq_fp16.core.fp32_islands import apply_fp32_islands
 from fairseq_fp16.core.half_matmul import Fp32AccumulateMatmul, cpu_has_native_half, half_matmul_context
+
+#: each variant's context: False none, True the function mode --half-matmul uses, "dispatch" the dispatch mode
+CONTEXTS = {False: contextlib.nullcontext, True: lambda: half_matmul_context(True),
+            "dispatch": Fp32AccumulateMatmul}
 
 
 def build(layers, dim, seed=0):
@@ -33,7 +41,7 @@ def time_steps(model, x, steps, accumulate):
     """Per-step times in ms (after one warm-up step)."""
 
     def step():
-        with half_matmul_context(accumulate):
+        with CONTEXTS[accumulate]():
             out = model(x)
             out.float().pow(2).mean().backward()
         model.zero_grad(set_to_none=True)
@@ -60,8 +68,10 @@ def main():
     torch.manual_seed(0)
     x32 = torch.randn(a.batch, a.seq, a.dim)
     variants = [("fp32", torch.float32, False), ("fp16 native", torch.float16, False),
-                ("fp16 fp32-accumulate", torch.float16, True), ("bf16 native", torch.bfloat16, False),
-                ("bf16 fp32-accumulate", torch.bfloat16, True)]
+                ("fp16 fp32-accumulate", torch.float16, True),
+                ("fp16 fp32-accumulate dispatch", torch.float16, "dispatch"),
+                ("bf16 native", torch.bfloat16, False), ("bf16 fp32-accumulate", torch.bfloat16, True),
+                ("bf16 fp32-accumulate dispatch", torch.bfloat16, "dispatch")]
     models, times = {}, {name: [] for name, _, _ in variants}
     for name, dtype, _ in variants:
         models[name] = build(a.layers, a.dim)
@@ -74,7 +84,7 @@ def main():
     results = {name: statistics.median(t) for name, t in times.items()}
     for name, _, _ in variants:
         lo, hi = min(times[name]), max(times[name])
-        print(f"{name:22s} {results[name]:9.1f} ms/step (min {lo:.1f}, max {hi:.1f})  "
+        print(f"{name:30s} {results[name]:9.1f} ms/step (min {lo:.1f}, max {hi:.1f})  "
               f"x{results[name] / results['fp32']:.2f} of fp32", flush=True)
     with Fp32AccumulateMatmul() as mode:  # how many products one step routes
         m = build(a.layers, a.dim).half()

@@ -1,18 +1,33 @@
 """Half-precision matrix products on CPUs without half-precision units (pure torch).
 
 A GPU's tensor cores take fp16/bf16 operands, multiply and accumulate in fp32,
-and round the result to fp16/bf16. :class:`Fp32AccumulateMatmul` keeps that
-contract on the CPU: below autograd (a ``TorchDispatchMode``, so the backward
-products and fused attention are covered too) it upcasts the half operands of
-``mm``/``addmm``/``bmm``/``baddbmm`` and of CPU scaled-dot-product attention
-to fp32 (exact), runs fp32 kernels, and rounds the results back to the half
-dtype. Weights, activations and gradients stay half; a product that exceeds
-the half range still becomes ``inf``, as on the GPU. Other ops (softmax, layer
-norm, elementwise) run in their own precision, as they would on the GPU.
+and round the result to fp16/bf16. Both classes here keep that contract on the
+CPU: the half operands of a matrix product are upcast to fp32 (exact), fp32
+kernels run, and the result is rounded back to the half dtype. Weights,
+activations and gradients stay half; a product that exceeds the half range
+still becomes ``inf``, as on the GPU. Other ops (softmax, layer norm,
+elementwise) run in their own precision, as they would on the GPU.
 
-On a CPU without fp16 arithmetic, native fp16 matrix products are ~26x slower
-than fp32 (measured on this project's Cascade Lake machine); with this mode a
-half-precision step runs at about fp32 speed.
+* :class:`Fp32AccumulateMatmul` works below autograd (a ``TorchDispatchMode``):
+  it sees every ``mm``/``addmm``/``bmm``/``baddbmm`` and CPU scaled-dot-product
+  attention, forward and backward, whatever Python code issued them; but it
+  costs a Python call for every aten op of the step (about 1,000 for a 2+2-layer
+  transformer step), products or not.
+* :class:`Fp32AccumulateFunctions` (what ``--half-matmul`` uses) works above
+  autograd (a ``TorchFunctionMode``): ``F.linear`` and ``torch.bmm`` become
+  autograd functions that upcast in forward and backward themselves, and the
+  other functions in :data:`ROUTED_FUNCTIONS` (attention, ``matmul``,
+  ``einsum``, RNNs, ...) run, forward and backward, under
+  :class:`Fp32AccumulateMatmul`. It costs a Python call per torch function
+  call of the forward pass instead of one per aten op of forward and backward,
+  and gives the same bits as the dispatch mode alone on fairseq's transformer
+  (``tests/core/test_half_matmul.py``). A product issued by a function
+  outside that list runs torch's native half kernel (right, but slow on such
+  CPUs).
+
+On a CPU without fp16 arithmetic, native fp16 matrix products are 26-41x slower
+than fp32 (BENCHMARKS.md); with fp32 accumulation a half-precision step runs
+at 1.0-1.3x the fp32 time.
 
 :func:`resolve_half_matmul` turns ``--half-matmul {auto,native,fp32-accumulate}``
 into a decision; ``auto`` uses fp32 accumulation for a half dtype the CPU has no
@@ -27,11 +42,16 @@ import functools
 from typing import Iterable, Optional, Set
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
     "HALF_MATMUL_CHOICES",
     "Fp32AccumulateMatmul",
+    "Fp32AccumulateFunctions",
+    "ROUTED_FUNCTIONS",
     "cpu_has_native_half",
     "resolve_half_matmul",
     "half_matmul_context",
@@ -152,6 +172,208 @@ class Fp32AccumulateMatmul(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _same_half_cpu(*tensors) -> Optional[torch.dtype]:
+    """The half dtype when every given tensor (``None`` skipped) is a CPU tensor of it."""
+    dtype = None
+    for t in tensors:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in _HALF:
+            return None
+        if dtype is None:
+            dtype = t.dtype
+        elif t.dtype != dtype:
+            return None
+    return dtype
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """``F.linear`` of half CPU tensors (input of 2 or more dims) with fp32 products.
+
+    Saves the half tensors only. It takes the route aten's ``linear`` takes,
+    so the result equals :class:`Fp32AccumulateMatmul`'s bit for bit (and a
+    GPU's): with a bias and a contiguous input, one ``addmm`` (the bias added
+    in fp32, one rounding); otherwise ``mm`` (a non-contiguous input copied
+    first), rounded to half, then the bias added in half. The weight gradient
+    is ``g^T @ x``, as aten's ``mm_mat2_backward`` computes it for ``W^T``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.fused = bias is not None and (x.dim() == 2 or x.is_contiguous())
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        w32 = weight.float().t()
+        shape = (*x.shape[:-1], weight.shape[0])
+        if ctx.fused:
+            return torch.addmm(bias.float(), x2, w32).view(shape).to(x.dtype)
+        y = torch.mm(x2, w32).view(shape).to(x.dtype)
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch._C.DisableTorchFunction():  # plain tensors: skip the mode's Python call
+            g2 = grad.reshape(-1, grad.shape[-1])
+            g32 = g2.float()
+            gx = gw = gb = None
+            if ctx.needs_input_grad[0]:
+                gx = g32.mm(weight.float()).to(x.dtype).view(x.shape)
+            if ctx.needs_input_grad[1]:
+                gw = g32.t().mm(x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:  # summed in half, as aten sums it
+                gb = g2.sum(0) if ctx.fused else grad.sum(tuple(range(grad.dim() - 1)))
+        return gx, gw, gb
+
+
+class _Fp32Bmm(torch.autograd.Function):
+    """``torch.bmm`` of half CPU tensors with fp32 products; saves the half tensors only."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.bmm(a.float(), b.float()).to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        with torch._C.DisableTorchFunction():
+            g32 = grad.float()
+            ga = gb = None
+            if ctx.needs_input_grad[0]:
+                ga = g32.bmm(b.float().transpose(1, 2)).to(a.dtype)
+            if ctx.needs_input_grad[1]:
+                gb = a.float().transpose(1, 2).bmm(g32).to(b.dtype)
+        return ga, gb
+
+
+class _UnderDispatchMode(torch.autograd.Function):
+    """Runs ``func`` under :class:`Fp32AccumulateMatmul` in forward and in backward.
+
+    The forward records ``func``'s own autograd graph (on detached inputs, one
+    per distinct tensor, so gradients of a tensor passed twice accumulate as
+    they would without the wrapper); the backward replays it under the mode.
+    Saved tensors are those ``func`` saves itself.
+    """
+
+    @staticmethod
+    def forward(ctx, func, spec, out_spec, *leaves):
+        inputs, index = [], {}  # one detached input per distinct tensor
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in index:
+                index[id(leaf)] = len(inputs)
+                inputs.append(leaf.detach().requires_grad_(leaf.requires_grad))
+        call = [inputs[index[id(x)]] if isinstance(x, torch.Tensor) else x for x in leaves]
+        args, kwargs = tree_unflatten(call, spec)
+        with torch.enable_grad(), Fp32AccumulateMatmul():
+            out = func(*args, **kwargs)
+        outs, out_spec[0] = tree_flatten(out)
+        ctx.graph = (inputs, outs)
+        # a tensor passed several times gets its gradient at its first position
+        seen, ctx.grad_slot = set(), []
+        for x in leaves:
+            first = isinstance(x, torch.Tensor) and id(x) not in seen
+            ctx.grad_slot.append(index[id(x)] if first else None)
+            if first:
+                seen.add(id(x))
+        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs, outs = ctx.graph
+        del ctx.graph
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        wanted = [t for t in inputs if t.requires_grad]
+        got = {}
+        if pairs and wanted:
+            with Fp32AccumulateMatmul():
+                res = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                          allow_unused=True)
+            got = {id(t): r for t, r in zip(wanted, res)}
+        return (None, None, None,
+                *[None if slot is None else got.get(id(inputs[slot])) for slot in ctx.grad_slot])
+
+
+def _under_dispatch_mode(func, args, kwargs):
+    leaves, spec = tree_flatten((args, kwargs))
+    if not torch.is_grad_enabled() or not any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        with Fp32AccumulateMatmul():
+            return func(*args, **kwargs)
+    out_spec = [None]
+    outs = _UnderDispatchMode.apply(func, spec, out_spec, *leaves)
+    return tree_unflatten(list(outs), out_spec[0])
+
+
+def _linear(func, args, kwargs):
+    bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    if set(bound) <= {"input", "weight", "bias"} and _same_half_cpu(x, w, b):
+        if x.dim() >= 2 and w.dim() == 2:
+            return _Fp32Linear.apply(x, w, b)
+        return _under_dispatch_mode(func, args, kwargs)  # a vector input: aten's own route
+    return NotImplemented
+
+
+def _bmm(func, args, kwargs):
+    if len(args) == 2 and not kwargs and _same_half_cpu(*args):
+        return _Fp32Bmm.apply(*args)
+    return NotImplemented
+
+
+def _routed(func, args, kwargs):
+    if _half_cpu_dtype(tree_flatten((args, kwargs))[0]) is None:
+        return NotImplemented
+    return _under_dispatch_mode(func, args, kwargs)
+
+
+def _routed_functions():
+    table = {F.linear: _linear, torch.bmm: _bmm, torch.Tensor.bmm: _bmm}
+    names = [
+        (F, "multi_head_attention_forward"), (F, "scaled_dot_product_attention"), (F, "bilinear"),
+        (torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"),
+        (torch.Tensor, "__rmatmul__"), (torch, "mm"), (torch.Tensor, "mm"), (torch, "addmm"),
+        (torch.Tensor, "addmm"), (torch, "baddbmm"), (torch.Tensor, "baddbmm"), (torch, "addbmm"),
+        (torch, "einsum"), (torch, "tensordot"), (torch, "lstm"), (torch, "gru"),
+        (torch, "rnn_tanh"), (torch, "rnn_relu"),
+    ]
+    for owner, name in names:
+        fn = getattr(owner, name, None)
+        if fn is not None:
+            table[fn] = _routed
+    return table
+
+
+#: functions :class:`Fp32AccumulateFunctions` takes over for half CPU tensors
+ROUTED_FUNCTIONS = _routed_functions()
+
+
+class Fp32AccumulateFunctions(TorchFunctionMode):
+    """Within the block, half CPU products of :data:`ROUTED_FUNCTIONS` accumulate in fp32.
+
+    ``F.linear`` and ``torch.bmm`` run as autograd functions that upcast
+    themselves; the other routed functions run under
+    :class:`Fp32AccumulateMatmul` forward and backward. ``calls`` counts the
+    routed calls (for tests and logs).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = ROUTED_FUNCTIONS.get(func)
+        if handler is not None:
+            out = handler(func, args, kwargs)
+            if out is not NotImplemented:
+                self.calls += 1
+                return out
+        return func(*args, **kwargs)
+
+
 def half_matmul_context(enabled: bool):
-    """``Fp32AccumulateMatmul()`` when enabled, else a do-nothing context."""
-    return Fp32AccumulateMatmul() if enabled else contextlib.nullcontext()
+    """``Fp32AccumulateFunctions()`` when enabled, else a do-nothing context."""
+    return Fp32AccumulateFunctions() if enabled else contextlib.nullcontext()

@@ -1,17 +1,24 @@
-"""CPU fp32-accumulate matrix products: bit-for-bit GPU tensor-core numerics, overflow kept."""
+"""CPU fp32-accumulate matrix products: bit-for-bit GPU tensor-core numerics, overflow kept.
+
+Both implementations are held to the same numbers: the dispatch mode (below
+autograd) and the function mode the task uses (above autograd).
+"""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fairseq_fp16.core.half_matmul import (
+    Fp32AccumulateFunctions,
     Fp32AccumulateMatmul,
     cpu_has_native_half,
     resolve_half_matmul,
 )
 
 DTYPES = [torch.float16, torch.bfloat16]
+MODES = [Fp32AccumulateMatmul, Fp32AccumulateFunctions]
 
 
 def rand(*shape, dtype, seed=0):
@@ -19,8 +26,9 @@ def rand(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
+@pytest.mark.parametrize("mode_cls", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_each_product_equals_fp32_product_rounded(dtype):
+def test_each_product_equals_fp32_product_rounded(dtype, mode_cls):
     a, b, c = rand(7, 33, dtype=dtype), rand(33, 9, dtype=dtype, seed=1), rand(7, 9, dtype=dtype, seed=2)
     ba, bb, bc = rand(3, 7, 33, dtype=dtype), rand(3, 33, 9, dtype=dtype, seed=1), rand(3, 7, 9, dtype=dtype, seed=2)
     cases = {
@@ -30,53 +38,61 @@ def test_each_product_equals_fp32_product_rounded(dtype):
         "baddbmm": (lambda: torch.baddbmm(bc, ba, bb, alpha=0.5),
                     lambda: torch.baddbmm(bc.float(), ba.float(), bb.float(), alpha=0.5)),
         "linear": (lambda: F.linear(a, b.t(), c[0]), lambda: F.linear(a.float(), b.t().float(), c[0].float())),
+        "linear 3-d": (lambda: F.linear(ba, b.t()), lambda: F.linear(ba.float(), b.t().float())),
+        "matmul": (lambda: ba @ b, lambda: ba.float() @ b.float()),
+        "einsum": (lambda: torch.einsum("bij,jk->bik", ba, b), lambda: torch.einsum("bij,jk->bik", ba.float(), b.float())),
     }
     for name, (op, ref) in cases.items():
-        with Fp32AccumulateMatmul() as mode:
+        with mode_cls() as mode:
             out = op()
         assert mode.calls >= 1, name
         assert out.dtype == dtype, name
         assert torch.equal(out, ref().to(dtype)), name
 
 
+@pytest.mark.parametrize("mode_cls", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_attention_is_fp32_inside(dtype):
+def test_fused_attention_is_fp32_inside(dtype, mode_cls):
     q, k, v = (rand(2, 4, 6, 8, dtype=dtype, seed=s) for s in range(3))
-    with Fp32AccumulateMatmul() as mode:
+    with mode_cls() as mode:
         out = F.scaled_dot_product_attention(q, k, v)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(dtype)
     assert mode.calls == 1 and out.dtype == dtype
     assert torch.equal(out, ref)
 
 
-def test_backward_products_are_covered_and_weight_grads_stay_half():
+@pytest.mark.parametrize("mode_cls,calls", [(Fp32AccumulateMatmul, 3), (Fp32AccumulateFunctions, 1)])
+def test_backward_products_are_covered_and_weight_grads_stay_half(mode_cls, calls):
     lin = torch.nn.Linear(16, 8).half()
     x = rand(4, 16, dtype=torch.float16).requires_grad_()
-    with Fp32AccumulateMatmul() as mode:
+    with mode_cls() as mode:
         lin(x).float().sum().backward()
-    assert mode.calls == 3  # forward addmm, grad input mm, grad weight mm
+    # the dispatch mode sees the forward addmm and both backward mm; the function mode one F.linear
+    assert mode.calls == calls
     assert lin.weight.grad.dtype == torch.float16 and x.grad.dtype == torch.float16
     ref = (torch.ones(4, 8).t() @ x.detach().float()).half()
     assert torch.equal(lin.weight.grad, ref)
 
 
-def test_overflow_still_overflows_like_half():
+@pytest.mark.parametrize("mode_cls", MODES)
+def test_overflow_still_overflows_like_half(mode_cls):
     a = torch.full((2, 64), 64.0, dtype=torch.float16)
     b = torch.full((64, 2), 32.0, dtype=torch.float16)  # 64 * 64 * 32 = 131072 > 65504
-    with Fp32AccumulateMatmul():
+    with mode_cls():
         out = a @ b
     assert torch.isinf(out).all()
     # and a gradient that overflows fp16 is inf in the weight's gradient
     lin = torch.nn.Linear(64, 1, bias=False).half()
     x = torch.full((64, 64), 100.0, dtype=torch.float16)
-    with Fp32AccumulateMatmul():
+    with mode_cls():
         (lin(x).float() * 20.0).sum().backward()
     assert torch.isinf(lin.weight.grad).all()
 
 
-def test_fp32_and_cuda_free_paths_untouched():
+@pytest.mark.parametrize("mode_cls", MODES)
+def test_fp32_and_cuda_free_paths_untouched(mode_cls):
     a, b = torch.randn(3, 4), torch.randn(4, 5)
-    with Fp32AccumulateMatmul() as mode:
+    with mode_cls() as mode:
         out = a @ b
     assert mode.calls == 0 and torch.equal(out, a @ b)
 
@@ -107,15 +123,129 @@ def test_task_activates_the_mode_exactly_during_its_steps(monkeypatch):
     seen = {}
     for name in ("train_step", "valid_step", "inference_step"):
         monkeypatch.setattr(TranslationTask, name,
-                            lambda self, *a, _n=name, **k: seen.setdefault(_n, _get_current_dispatch_mode()))
+                            lambda self, *a, _n=name, **k: seen.setdefault(_n, _get_current_function_mode()))
     task = TranslationFP16Task.__new__(TranslationFP16Task)
     task.fp32_accumulate = True
     task.train_step(None, None, None, None, 0)
     task.valid_step(None, None, None)
     task.inference_step(None, None, None)
-    assert all(isinstance(m, Fp32AccumulateMatmul) for m in seen.values()) and len(seen) == 3
-    assert _get_current_dispatch_mode() is None
+    assert all(isinstance(m, Fp32AccumulateFunctions) for m in seen.values()) and len(seen) == 3
+    assert _get_current_function_mode() is None and _get_current_dispatch_mode() is None
     task.fp32_accumulate = False
     seen.clear()
     task.train_step(None, None, None, None, 0)
     assert seen["train_step"] is None
+
+
+def grads_under(mode_cls, step, params):
+    for p in params:
+        p.grad = None
+    with mode_cls() as mode:
+        out = step()
+    return out, [p.grad.clone() for p in params], mode.calls
+
+
+def assert_same_numbers(step, params):
+    out_d, grads_d, calls_d = grads_under(Fp32AccumulateMatmul, step, params)
+    out_f, grads_f, calls_f = grads_under(Fp32AccumulateFunctions, step, params)
+    assert torch.equal(out_d, out_f)
+    assert all(torch.equal(a, b) for a, b in zip(grads_d, grads_f))
+    assert 0 < calls_f < calls_d
+    return calls_d, calls_f
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normalize_before", [True, False], ids=["pre-norm", "post-norm"])
+@pytest.mark.parametrize("fused", [False, True], ids=["fairseq-attention", "fused-attention"])
+def test_function_mode_trains_a_fairseq_transformer_like_the_dispatch_mode(dtype, normalize_before, fused):
+    """Loss and every gradient of a fairseq transformer step (dropout on, shared
+    output projection) under both modes.
+
+    With fairseq's own attention (what translation_fp16 uses in half precision:
+    linear projections and bmm): the same bits, pre- and post-norm. With torch's
+    fused attention (F.multi_head_attention_forward, routed as a whole) and
+    post-norm, a layer's input reaches both the attention (as query, key and
+    value) and the residual sum; the function mode adds the three attention
+    gradients before the residual's, the dispatch mode's graph one by one, so
+    the half-precision sums can differ in the last bit of some elements.
+    """
+    from argparse import Namespace
+
+    from fairseq.data import Dictionary
+    from fairseq.models.transformer import TransformerModel, transformer_legacy
+
+    from fairseq_fp16.core.fp32_islands import apply_fp32_islands
+
+    vocab = Dictionary()
+    for i in range(60):
+        vocab.add_symbol(f"w{i}")
+    args = Namespace(arch="transformer", encoder_layers=1, decoder_layers=1, encoder_embed_dim=32,
+                     decoder_embed_dim=32, encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64,
+                     encoder_attention_heads=2, decoder_attention_heads=2, share_all_embeddings=True,
+                     dropout=0.1, attention_dropout=0.1, encoder_normalize_before=normalize_before,
+                     decoder_normalize_before=normalize_before)
+    transformer_legacy.base_architecture(args)
+    task = Namespace(source_dictionary=vocab, target_dictionary=vocab)
+    torch.manual_seed(0)
+    model = TransformerModel.build_model(args, task)
+    apply_fp32_islands(model)
+    model.to(dtype).train()
+    if not fused:
+        for module in model.modules():
+            if hasattr(module, "_set_skip_embed_dim_check"):
+                module._set_skip_embed_dim_check()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = (torch.randint(4, len(vocab), (3, 7), generator=g) for _ in range(2))
+    params = list(model.parameters())
+
+    def step():
+        torch.manual_seed(2)  # the same dropout masks under both modes
+        logits, _ = model(src, torch.full((3,), 7), tgt)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+        loss.backward()
+        return loss.detach()
+
+    loss_d, grads_d, calls_d = grads_under(Fp32AccumulateMatmul, step, params)
+    loss_f, grads_f, calls_f = grads_under(Fp32AccumulateFunctions, step, params)
+    assert torch.equal(loss_d, loss_f)
+    assert 0 < 3 * calls_f <= calls_d  # one call per product (forward and backward) or fewer
+    if normalize_before or not fused:
+        assert all(torch.equal(a, b) for a, b in zip(grads_d, grads_f))
+    else:
+        eps = torch.finfo(dtype).eps
+        differ = 0
+        for a, b in zip(grads_d, grads_f):  # at most one unit in the last place of the largest
+            torch.testing.assert_close(a, b, rtol=0, atol=float(a.abs().max()) * eps)
+            differ += int((a != b).sum())
+        assert differ < 0.2 * sum(a.numel() for a in grads_d)
+    # and decoding (no graph) gives the same logits
+    model.eval()
+    with torch.no_grad():
+        with Fp32AccumulateMatmul():
+            ref, _ = model(src, torch.full((3,), 7), tgt)
+        with Fp32AccumulateFunctions() as mode:
+            out, _ = model(src, torch.full((3,), 7), tgt)
+    assert torch.equal(ref, out) and mode.calls > 0
+
+
+def test_function_mode_routes_rnns_and_sums_the_gradient_of_a_tensor_used_twice():
+    def backward_of(fn):
+        def step():
+            out = fn().float().pow(2).sum()
+            out.backward()
+            return out.detach()
+        return step
+
+    lstm = torch.nn.LSTM(8, 16, batch_first=True).bfloat16()
+    x = rand(2, 5, 8, dtype=torch.bfloat16).requires_grad_()
+    _, calls_f = assert_same_numbers(backward_of(lambda: lstm(x)[0]), [x, *lstm.parameters()])
+    assert calls_f == 1  # one torch.lstm call, its products under the dispatch mode
+    # y passed twice to one routed function: both uses reach y.grad, as without the mode
+    y = rand(6, 8, dtype=torch.float16).requires_grad_()
+    assert_same_numbers(backward_of(lambda: torch.einsum("ij,kj->ik", y, y)), [y])
+    y.grad = None
+    with Fp32AccumulateFunctions():
+        torch.einsum("ij,kj->ik", y, y).float().sum().backward()
+    # d/dy of the sum of y y^T is twice the column sums, in every row: both uses counted
+    torch.testing.assert_close(y.grad.float(), 2 * y.detach().float().sum(0).expand(6, 8),
+                               rtol=1e-2, atol=1e-2)
