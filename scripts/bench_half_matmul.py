@@ -10,7 +10,11 @@ in one process. fp32 accumulation runs twice: through the function mode
 The variants run interleaved for --rounds rounds and each reports
 the median of its per-step times, so a noisy machine shifts all of them alike.
 Prints a table and, as its last line, one JSON object with the ms/step of each
-variant and its ratio to fp32. Native fp16 on a CPU without fp16 units is very
+variant and its ratio to fp32. ``--fairseq`` times fairseq's encoder-decoder
+transformer instead (--layers each side, FFN 2 x --dim, shared 8,000-word
+embeddings, a cross-entropy loss on --batch x --seq target tokens), half models
+on fairseq's own attention path as translation_fp16 builds them: the plugin's
+real products. Native fp16 on a CPU without fp16 units is very
 slow: it runs --slow-steps steps per round only.
 """
 
@@ -37,13 +41,39 @@ def build(layers, dim, seed=0):
     return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
 
+def build_fairseq(layers, dim, vocab=8000, seed=0):
+    from argparse import Namespace
+
+    from fairseq.data import Dictionary
+    from fairseq.models.transformer import TransformerModel, transformer_legacy
+
+    words = Dictionary()
+    for i in range(vocab - len(words)):
+        words.add_symbol(f"w{i}")
+    args = Namespace(arch="transformer", encoder_layers=layers, decoder_layers=layers,
+                     encoder_embed_dim=dim, decoder_embed_dim=dim, encoder_ffn_embed_dim=2 * dim,
+                     decoder_ffn_embed_dim=2 * dim, encoder_attention_heads=4, decoder_attention_heads=4,
+                     share_all_embeddings=True, dropout=0.0, encoder_normalize_before=True,
+                     decoder_normalize_before=True)
+    transformer_legacy.base_architecture(args)
+    torch.manual_seed(seed)
+    return TransformerModel.build_model(args, Namespace(source_dictionary=words, target_dictionary=words))
+
+
+def loss_of(model, x):
+    if isinstance(x, tuple):  # fairseq: (source, target) token ids
+        src, tgt = x
+        logits, _ = model(src, torch.full((src.size(0),), src.size(1)), tgt)
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+    return model(x).float().pow(2).mean()
+
+
 def time_steps(model, x, steps, accumulate):
     """Per-step times in ms (after one warm-up step)."""
 
     def step():
         with CONTEXTS[accumulate]():
-            out = model(x)
-            out.float().pow(2).mean().backward()
+            loss_of(model, x).backward()
         model.zero_grad(set_to_none=True)
 
     step()  # warm-up
@@ -64,9 +94,21 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--slow-steps", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fairseq", action="store_true",
+                    help="time fairseq's encoder-decoder transformer (as the plugin runs it)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    x32 = torch.randn(a.batch, a.seq, a.dim)
+    if a.fairseq:
+        tokens = tuple(torch.randint(4, 8000, (a.batch, a.seq)) for _ in range(2))
+        make = lambda: build_fairseq(a.layers, a.dim)  # noqa: E731
+        batch_for = lambda dtype: tokens  # noqa: E731
+        model_name = (f"fairseq transformer {a.layers}+{a.layers} layers d={a.dim} ffn={2 * a.dim} "
+                      f"vocab 8000, batch {a.batch}x{a.seq} tokens per side")
+    else:
+        x32 = torch.randn(a.batch, a.seq, a.dim)
+        make = lambda: build(a.layers, a.dim)  # noqa: E731
+        batch_for = lambda dtype: x32.to(dtype)  # noqa: E731
+        model_name = f"TransformerEncoder {a.layers}x d={a.dim} ffn={4 * a.dim}, batch {a.batch}x{a.seq}"
     variants = [("fp32", torch.float32, False), ("fp16 native", torch.float16, False),
                 ("fp16 fp32-accumulate", torch.float16, True),
                 ("fp16 fp32-accumulate dispatch", torch.float16, "dispatch"),
@@ -74,23 +116,26 @@ def main():
                 ("bf16 fp32-accumulate dispatch", torch.bfloat16, "dispatch")]
     models, times = {}, {name: [] for name, _, _ in variants}
     for name, dtype, _ in variants:
-        models[name] = build(a.layers, a.dim)
+        models[name] = make()
         apply_fp32_islands(models[name])
         models[name].to(dtype)
+        if dtype != torch.float32:  # translation_fp16's half models: fairseq's attention path
+            for module in models[name].modules():
+                if hasattr(module, "_set_skip_embed_dim_check"):
+                    module._set_skip_embed_dim_check()
     for _ in range(a.rounds):
         for name, dtype, acc in variants:
             slow = dtype != torch.float32 and not acc and not cpu_has_native_half(dtype)
-            times[name] += time_steps(models[name], x32.to(dtype), a.slow_steps if slow else a.steps, acc)
+            times[name] += time_steps(models[name], batch_for(dtype), a.slow_steps if slow else a.steps, acc)
     results = {name: statistics.median(t) for name, t in times.items()}
     for name, _, _ in variants:
         lo, hi = min(times[name]), max(times[name])
         print(f"{name:30s} {results[name]:9.1f} ms/step (min {lo:.1f}, max {hi:.1f})  "
               f"x{results[name] / results['fp32']:.2f} of fp32", flush=True)
     with Fp32AccumulateMatmul() as mode:  # how many products one step routes
-        m = build(a.layers, a.dim).half()
-        m(x32.half()).float().sum().backward()
+        loss_of(models["fp16 fp32-accumulate"], batch_for(torch.float16)).backward()
     summary = {
-        "model": f"TransformerEncoder {a.layers}x d={a.dim} ffn={4 * a.dim}, batch {a.batch}x{a.seq}",
+        "model": model_name,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cpu_native_fp16": cpu_has_native_half(torch.float16), "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
         "products_per_step": mode.calls,
