@@ -296,8 +296,8 @@ class _UnderDispatchMode(torch.autograd.Function):
                 *[None if slot is None else got.get(id(inputs[slot])) for slot in ctx.grad_slot])
 
 
-def _under_dispatch_mode(func, args, kwargs):
-    leaves, spec = tree_flatten((args, kwargs))
+def _under_dispatch_mode(func, args, kwargs, flat=None):
+    leaves, spec = flat or tree_flatten((args, kwargs))
     if not torch.is_grad_enabled() or not any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
         with Fp32AccumulateMatmul():
@@ -324,9 +324,10 @@ def _bmm(func, args, kwargs):
 
 
 def _routed(func, args, kwargs):
-    if _half_cpu_dtype(tree_flatten((args, kwargs))[0]) is None:
+    flat = tree_flatten((args, kwargs))
+    if _half_cpu_dtype(flat[0]) is None:
         return NotImplemented
-    return _under_dispatch_mode(func, args, kwargs)
+    return _under_dispatch_mode(func, args, kwargs, flat)
 
 
 def _routed_functions():
