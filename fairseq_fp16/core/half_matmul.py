@@ -259,24 +259,21 @@ class _UnderDispatchMode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, func, spec, out_spec, *leaves):
-        inputs, index = [], {}  # one detached input per distinct tensor
+        # one detached input per distinct tensor; a tensor passed several times gets its
+        # gradient at its first position (grad_slot: the input each leaf's gradient comes from)
+        inputs, index, ctx.grad_slot = [], {}, []
         for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and id(leaf) not in index:
+            first = isinstance(leaf, torch.Tensor) and id(leaf) not in index
+            if first:
                 index[id(leaf)] = len(inputs)
                 inputs.append(leaf.detach().requires_grad_(leaf.requires_grad))
+            ctx.grad_slot.append(index[id(leaf)] if first else None)
         call = [inputs[index[id(x)]] if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = tree_unflatten(call, spec)
         with torch.enable_grad(), Fp32AccumulateMatmul():
             out = func(*args, **kwargs)
         outs, out_spec[0] = tree_flatten(out)
         ctx.graph = (inputs, outs)
-        # a tensor passed several times gets its gradient at its first position
-        seen, ctx.grad_slot = set(), []
-        for x in leaves:
-            first = isinstance(x, torch.Tensor) and id(x) not in seen
-            ctx.grad_slot.append(index[id(x)] if first else None)
-            if first:
-                seen.add(id(x))
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
 
     @staticmethod
