@@ -1,8 +1,11 @@
 """Shared fixtures: a tiny synthetic corpus and helpers that run the real CLIs."""
 
+import atexit
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,18 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from compare import parse_json_records  # noqa: E402  (the comparison runner's log parser)
 
 BIN = Path(sys.executable).parent
+
+
+def _cli_env():
+    # faulthandler: a crash in C++ code prints every thread's Python stack to stderr
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    env.pop("PYTEST_CURRENT_TEST", None)  # pytest's, changes with every test
+    for name in ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"):  # scikit-learn's import sets them, in
+        env.pop(name, None)  # this process and in every fairseq tool (fairseq imports it)
+    return env
+
+
+CLI_ENV = _cli_env()  # the tools' environment in a test that changed none
 USER_DIR = str(ROOT / "fairseq_fp16")
 
 TINY_MODEL = [
@@ -37,10 +52,57 @@ def toy_data(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("toy"), train=2000, valid=100, test=100)
 
 
+class _CliServer:
+    """Client of `cli_server.py`: one of fairseq's tools runs in forks of a process that imported it.
+
+    One server a tool: each tool's module sets up logging as it imports, as in a fresh process.
+    Set FAIRSEQ_FP16_TEST_FRESH_PROCESS=1 to start every run as its own process instead.
+    """
+
+    def __init__(self, tool):
+        self.env = CLI_ENV
+        self.log = tempfile.TemporaryFile("w+")  # the server's own stderr: what its imports log
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_server.py"), tool],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=self.env)
+        atexit.register(self.close)
+
+    def run(self, tool, args, tmp):
+        out, err = tmp / "stdout", tmp / "stderr"
+        req = dict(tool=tool, args=args, cwd=os.getcwd(), stdout=str(out), stderr=str(err))
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            self.log.seek(0)
+            raise RuntimeError(f"tests/cli_server.py ended (status {self.proc.wait()}) running {tool} {args}; "
+                               f"its stderr:\n{self.log.read()[-4000:]}")
+        rc = json.loads(answer)["rc"]
+        return subprocess.CompletedProcess([tool, *args], rc, out.read_text(), err.read_text())
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+_servers = {}
+
+
 def run_cli(tool, args, check=True):
-    # faulthandler: a crash in C++ code prints every thread's Python stack to stderr
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
-    proc = subprocess.run([str(BIN / tool), *map(str, args)], capture_output=True, text=True, env=env)
+    """Run one of fairseq's tools, like `subprocess.run` with its output captured.
+
+    A test that changed the environment gets a process of its own (what torch and fairseq read
+    at import time is fixed in the server); the others run in a fork of `cli_server.py`.
+    """
+    env = _cli_env()
+    args = [str(a) for a in args]
+    if os.environ.get("FAIRSEQ_FP16_TEST_FRESH_PROCESS") or env != CLI_ENV:
+        proc = subprocess.run([str(BIN / tool), *args], capture_output=True, text=True, env=env)
+    else:
+        server = _servers.get(tool) or _servers.setdefault(tool, _CliServer(tool))
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = server.run(tool, args, Path(tmp))
     if check and proc.returncode != 0:
         raise AssertionError(f"{tool} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
                              f"{proc.stderr[-4000:]}")
