@@ -311,40 +311,57 @@ def plots(out: Path, results):
         plt.close(fig)
         written.append(name)
 
+    # One colour per precision, one line style and marker per seed: with several seeds a
+    # precision's runs read as one family, and ten runs do not run out of colours.
+    bases = list(dict.fromkeys(r.get("base_mode", r["mode"]) for r in results))
+    seeds = sorted({r.get("seed") for r in results}, key=lambda x: (x is None, x))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def style(r):
+        i, j = bases.index(r.get("base_mode", r["mode"])), seeds.index(r.get("seed"))
+        return dict(color=palette[i % len(palette)], linestyle=("-", "--", ":", "-.")[j % 4],
+                    label=r["mode"])
+
+    def legend(ax):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small", ncol=2 if len(results) > 6 else 1)
+
     for xkey, name, label in (("num_updates", "valid_loss_updates.png", "updates"),
                               ("wall", "valid_loss_wall.png", "wall time (s)")):
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in results:
             pts = [(v.get(xkey), v["loss"]) for v in r["train"]["valid"] if v.get(xkey) is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=r["mode"])
+                ax.plot(*zip(*pts), marker="osD^v"[seeds.index(r.get("seed")) % 5], markersize=4, **style(r))
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss (base 2)")
         ax.set_title(f"Validation loss against {label}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        legend(ax)
         save(fig, name)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         pts = [(x["num_updates"], x["loss_scale"]) for x in r["train"]["train_inner"] if "loss_scale" in x]
         if pts:
-            ax.step(*zip(*pts), where="post", label=r["mode"])
+            ax.step(*zip(*pts), where="post", **style(r))
     ax.set_yscale("log", base=2)
     ax.set_xlabel("updates")
     ax.set_ylabel("loss scale")
     ax.set_title("Loss scale over updates (log interval samples)")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
+    legend(ax)
     save(fig, "loss_scale.png")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
     names = [r["mode"] for r in results]
     wps = [r["train"]["words_per_s"] or 0 for r in results]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(names) + 1.5), 4))  # 0.6 inch a bar
     bars = ax.bar(names, wps, color=["#777777"] + ["#1f77b4"] * (len(names) - 1))
     for b, v in zip(bars, wps):
-        ax.text(b.get_x() + b.get_width() / 2, v, f"{v / wps[0]:.2f}x" if wps[0] else "", ha="center", va="bottom")
+        ax.text(b.get_x() + b.get_width() / 2, v, f"{v / wps[0]:.2f}x" if wps[0] else "", ha="center",
+                va="bottom", fontsize="small")
+    if len(names) > 4:  # names like fp16-seed2 overlap side by side
+        plt.setp(ax.get_xticklabels(), rotation=35, ha="right")
     ax.set_ylabel("target words / s (train)")
     ax.set_title("Training throughput (ratio to fp32)")
     save(fig, "throughput.png")
