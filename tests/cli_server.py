@@ -4,16 +4,16 @@ Starting `fairseq-train` costs ~6 s on a 2-core CPU before it reads its first ar
 and scipy/scikit-learn through fairseq's criterions), and the suite starts dozens.
 This server imports the module of one tool (named on its command line) once; each request
 forks a child that runs the tool's console entry point (what the `fairseq-train` script calls)
-with the request's argv and cwd, stdout and stderr sent to files, in the server's environment.
+with the request's argv, cwd and environment changes, stdout and stderr sent to files.
 The parent only imports: it starts no torch thread pool, so a fork copies a single-threaded
 process in the state a fresh interpreter has after the same imports. One server a tool, as
 each tool's module sets up logging when imported. The plugin (`--user-dir`) is imported by
 the child, so every run sees the code as it is on disk.
 
 Protocol (stdin/stdout, one JSON object a line): request {"tool", "args", "cwd", "stdout",
-"stderr"}, answer {"rc": exit status}. `conftest.run_cli` is the client; it starts a fresh
-process instead when a test changed the environment (what torch and fairseq read at import
-time would not take effect in a forked child).
+"stderr", "env": variables to set (null: unset)}, answer {"rc": exit status}. `conftest.run_cli`
+is the client; it starts a fresh process instead when a test changed a variable that torch or
+fairseq may read as they load (it would not take effect in a forked child).
 """
 
 import json
@@ -40,6 +40,11 @@ def _run_child(req, main, printed):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
         os.write(fd, text)  # what the imports printed in the server
     os.chdir(req["cwd"])
+    for name, value in req.get("env", {}).items():  # the test's environment, where it differs
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     sys.argv = [req["tool"], *req["args"]]
     raise SystemExit(main())
 

@@ -27,6 +27,10 @@ def _cli_env():
 
 
 CLI_ENV = _cli_env()  # the tools' environment in a test that changed none
+#: variables torch, oneDNN, OpenMP or fairseq may read as they load: a change needs a fresh process
+#: (others, such as TORCHINDUCTOR_CACHE_DIR that a torch import sets here, are set in the fork)
+IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "LRU_CACHE_CAPACITY", "LOGLEVEL",
+                   "CUDA_", "TORCH_", "PYTORCH_", "PYTHON", "LD_", "FAIRSEQ_FP16_TEST_FRESH_PROCESS")
 USER_DIR = str(ROOT / "fairseq_fp16")
 
 TINY_MODEL = [
@@ -67,9 +71,9 @@ class _CliServer:
                                      text=True, env=self.env)
         atexit.register(self.close)
 
-    def run(self, tool, args, tmp):
+    def run(self, tool, args, tmp, env_changes):
         out, err = tmp / "stdout", tmp / "stderr"
-        req = dict(tool=tool, args=args, cwd=os.getcwd(), stdout=str(out), stderr=str(err))
+        req = dict(tool=tool, args=args, cwd=os.getcwd(), stdout=str(out), stderr=str(err), env=env_changes)
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
@@ -87,22 +91,29 @@ class _CliServer:
 
 
 _servers = {}
+#: how the tools ran: "forked" or "fresh (KEYS)" -> count, reported at the end of the session
+RUNS = {}
 
 
 def run_cli(tool, args, check=True):
     """Run one of fairseq's tools, like `subprocess.run` with its output captured.
 
-    A test that changed the environment gets a process of its own (what torch and fairseq read
-    at import time is fixed in the server); the others run in a fork of `cli_server.py`.
+    A test that changed a variable of IMPORT_TIME_ENV gets a process of its own (what torch and
+    fairseq read as they load is fixed in the server); the others run in a fork of
+    `cli_server.py`, with the environment's other changes set in the fork.
     """
     env = _cli_env()
     args = [str(a) for a in args]
-    if os.environ.get("FAIRSEQ_FP16_TEST_FRESH_PROCESS") or env != CLI_ENV:
+    changed = sorted(k for k in set(env) | set(CLI_ENV) if env.get(k) != CLI_ENV.get(k))
+    fresh = [k for k in changed if k.startswith(IMPORT_TIME_ENV)]
+    if fresh:
+        RUNS[f"fresh ({', '.join(fresh)})"] = RUNS.get(f"fresh ({', '.join(fresh)})", 0) + 1
         proc = subprocess.run([str(BIN / tool), *args], capture_output=True, text=True, env=env)
     else:
+        RUNS["forked"] = RUNS.get("forked", 0) + 1
         server = _servers.get(tool) or _servers.setdefault(tool, _CliServer(tool))
         with tempfile.TemporaryDirectory() as tmp:
-            proc = server.run(tool, args, Path(tmp))
+            proc = server.run(tool, args, Path(tmp), {k: env.get(k) for k in changed})
     if check and proc.returncode != 0:
         raise AssertionError(f"{tool} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
                              f"{proc.stderr[-4000:]}")
@@ -119,3 +130,8 @@ def train(data, save_dir, *extra, user_dir=True, model=TINY_MODEL, check=True):
         args += ["--user-dir", USER_DIR]
     proc = run_cli("fairseq-train", args, check=check)
     return proc, parse_json_records(proc.stdout + proc.stderr)["train_inner"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if RUNS:  # a silent fall-back to fresh processes would only show as a slower suite
+        terminalreporter.write_line("fairseq CLI runs: " + "; ".join(f"{k}: {v}" for k, v in sorted(RUNS.items())))

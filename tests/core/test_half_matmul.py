@@ -52,6 +52,37 @@ def test_each_product_equals_fp32_product_rounded(dtype, mode_cls):
 
 @pytest.mark.parametrize("mode_cls", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_convolutions_multiply_in_fp32_forward_and_backward(dtype, mode_cls):
+    # F.conv1d/conv2d/conv_transpose1d and fairseq's ConvTBC op (function mode): the output and
+    # every gradient equal fp32's rounded to half, as on a GPU
+    x1, w1, b = rand(2, 6, 11, dtype=dtype), rand(5, 6, 3, dtype=dtype, seed=1), rand(5, dtype=dtype, seed=2)
+    x2, w2 = rand(2, 6, 7, 7, dtype=dtype, seed=3), rand(5, 6, 3, 3, dtype=dtype, seed=4)
+    xt, wt = rand(11, 2, 6, dtype=dtype, seed=5), rand(3, 6, 5, dtype=dtype, seed=6)
+    cases = {
+        "conv1d": (lambda x, w, b: F.conv1d(x, w, b, padding=1), (x1, w1, b)),
+        "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2), (x2, w2, b)),
+        "conv_transpose1d": (lambda x, w, b: F.conv_transpose1d(x, w, b), (rand(2, 5, 9, dtype=dtype, seed=7),
+                                                                            w1, rand(6, dtype=dtype, seed=8))),
+    }
+    if mode_cls is Fp32AccumulateFunctions:  # aten decomposes conv_tbc's backward below autograd
+        cases["conv_tbc"] = (lambda x, w, b: torch.conv_tbc(x, w, b, 1), (xt, wt, b))
+    for name, (op, inputs) in cases.items():
+        half = [t.clone().requires_grad_() for t in inputs]
+        full = [t.float().requires_grad_() for t in inputs]
+        ref = op(*full)
+        with mode_cls() as mode:
+            out = op(*half)
+            grad = rand(*out.shape, dtype=dtype, seed=9)
+            out.backward(grad)
+        ref.backward(grad.float())
+        assert mode.calls >= 1 and out.dtype == dtype, name
+        assert torch.equal(out, ref.to(dtype)), name
+        for h, f in zip(half, full):
+            assert h.grad.dtype == dtype and torch.equal(h.grad, f.grad.to(dtype)), name
+
+
+@pytest.mark.parametrize("mode_cls", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_attention_is_fp32_inside(dtype, mode_cls):
     q, k, v = (rand(2, 4, 6, 8, dtype=dtype, seed=s) for s in range(3))
     with mode_cls() as mode:
