@@ -14,7 +14,8 @@ variant and its ratio to fp32. ``--fairseq`` times fairseq's encoder-decoder
 transformer instead (--layers each side, FFN 2 x --dim, shared 8,000-word
 embeddings, a cross-entropy loss on --batch x --seq target tokens), half models
 on fairseq's own attention path as translation_fp16 builds them: the plugin's
-real products. Native fp16 on a CPU without fp16 units is very
+real products; ``--fconv`` times fairseq's convolutional model (its ConvTBC
+convolutions are routed too). Native fp16 on a CPU without fp16 units is very
 slow: it runs --slow-steps steps per round only.
 """
 
@@ -60,6 +61,25 @@ def build_fairseq(layers, dim, vocab=8000, seed=0):
     return TransformerModel.build_model(args, Namespace(source_dictionary=words, target_dictionary=words))
 
 
+def build_fconv(layers, dim, vocab=8000, seed=0):
+    """fairseq's convolutional seq2seq (fconv): ConvTBC layers of kernel 3 with GLU, attention."""
+    from argparse import Namespace
+
+    from fairseq.data import Dictionary
+    from fairseq.models.fconv import FConvModel, base_architecture
+
+    words = Dictionary()
+    for i in range(vocab - len(words)):
+        words.add_symbol(f"w{i}")
+    convs = f"[({dim}, 3)] * {layers}"
+    args = Namespace(arch="fconv", encoder_embed_dim=dim, decoder_embed_dim=dim, decoder_out_embed_dim=dim,
+                     encoder_layers=convs, decoder_layers=convs, dropout=0.0,
+                     max_source_positions=1024, max_target_positions=1024)
+    base_architecture(args)
+    torch.manual_seed(seed)
+    return FConvModel.build_model(args, Namespace(source_dictionary=words, target_dictionary=words))
+
+
 def loss_of(model, x):
     if isinstance(x, tuple):  # fairseq: (source, target) token ids
         src, tgt = x
@@ -96,9 +116,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fairseq", action="store_true",
                     help="time fairseq's encoder-decoder transformer (as the plugin runs it)")
+    ap.add_argument("--fconv", action="store_true",
+                    help="time fairseq's convolutional encoder-decoder (fconv: --layers ConvTBC layers "
+                    "of width --dim each side)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    if a.fairseq:
+    if a.fconv:
+        tokens = tuple(torch.randint(4, 8000, (a.batch, a.seq)) for _ in range(2))
+        make = lambda: build_fconv(a.layers, a.dim)  # noqa: E731
+        batch_for = lambda dtype: tokens  # noqa: E731
+        model_name = (f"fairseq fconv {a.layers}+{a.layers} ConvTBC layers (kernel 3) d={a.dim}, "
+                      f"vocab 8000, batch {a.batch}x{a.seq} tokens per side")
+    elif a.fairseq:
         tokens = tuple(torch.randint(4, 8000, (a.batch, a.seq)) for _ in range(2))
         make = lambda: build_fairseq(a.layers, a.dim)  # noqa: E731
         batch_for = lambda dtype: tokens  # noqa: E731

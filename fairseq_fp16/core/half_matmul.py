@@ -9,15 +9,17 @@ still becomes ``inf``, as on the GPU. Other ops (softmax, layer norm,
 elementwise) run in their own precision, as they would on the GPU.
 
 * :class:`Fp32AccumulateMatmul` works below autograd (a ``TorchDispatchMode``):
-  it sees every ``mm``/``addmm``/``bmm``/``baddbmm`` and CPU scaled-dot-product
-  attention, forward and backward, whatever Python code issued them; but it
+  it sees every ``mm``/``addmm``/``bmm``/``baddbmm``, convolution and CPU
+  scaled-dot-product attention, forward and backward, whatever Python code
+  issued them; but it
   costs a Python call for every aten op of the step (about 1,000 for a 2+2-layer
   transformer step), products or not.
 * :class:`Fp32AccumulateFunctions` (what ``--half-matmul`` uses) works above
-  autograd (a ``TorchFunctionMode``): ``F.linear`` and ``torch.bmm`` become
-  autograd functions that upcast in forward and backward themselves, and the
-  other functions in :data:`ROUTED_FUNCTIONS` (attention, ``matmul``,
-  ``einsum``, RNNs, ...) run, forward and backward, under
+  autograd (a ``TorchFunctionMode``): ``F.linear``, ``torch.bmm`` and
+  ``torch.conv_tbc`` (fairseq's ConvTBC, whose backward aten decomposes below
+  autograd) become autograd functions that upcast in forward and backward
+  themselves, and the other functions in :data:`ROUTED_FUNCTIONS` (attention,
+  ``matmul``, ``einsum``, RNNs, ``F.conv*``, ...) run, forward and backward, under
   :class:`Fp32AccumulateMatmul`. It costs a Python call per torch function
   call of the forward pass instead of one per aten op of forward and backward,
   and gives the same bits as the dispatch mode alone on fairseq's transformer
@@ -68,6 +70,11 @@ COVERED_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten.baddbmm.default,
+    # convolutions: F.conv1d/2d/3d and the transposed ones reach aten.convolution
+    # (fairseq's ConvTBC calls conv_tbc, whose backward aten decomposes into in-place
+    # products below autograd: the function mode routes it through _Fp32ConvTBC instead)
+    _aten.convolution.default,
+    _aten.convolution_backward.default,
 }
 #: outputs the native kernel returns in fp32 even for half inputs (kept fp32)
 FP32_OUTPUTS = {}
@@ -248,6 +255,24 @@ class _Fp32Bmm(torch.autograd.Function):
         return ga, gb
 
 
+class _Fp32ConvTBC(torch.autograd.Function):
+    """``torch.conv_tbc`` (fairseq's ConvTBC) of half CPU tensors, forward and backward in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pad):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.pad = pad
+        return torch.conv_tbc(x.float(), weight.float(), bias.float(), pad).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        with torch._C.DisableTorchFunction():
+            grads = torch.ops.aten.conv_tbc_backward(grad.float(), x.float(), weight.float(),
+                                                    bias.float(), ctx.pad)
+        return (*(g.to(t.dtype) for g, t in zip(grads, (x, weight, bias))), None)
+
+
 class _UnderDispatchMode(torch.autograd.Function):
     """Runs ``func`` under :class:`Fp32AccumulateMatmul` in forward and in backward.
 
@@ -320,6 +345,14 @@ def _bmm(func, args, kwargs):
     return NotImplemented
 
 
+def _conv_tbc(func, args, kwargs):
+    bound = dict(zip(("input", "weight", "bias", "pad"), args), **kwargs)
+    if set(bound) <= {"input", "weight", "bias", "pad"} and _same_half_cpu(
+            bound.get("input"), bound.get("weight"), bound.get("bias")) and bound.get("bias") is not None:
+        return _Fp32ConvTBC.apply(bound["input"], bound["weight"], bound["bias"], bound.get("pad", 0))
+    return NotImplemented
+
+
 def _routed(func, args, kwargs):
     flat = tree_flatten((args, kwargs))
     if _half_cpu_dtype(flat[0]) is None:
@@ -328,7 +361,7 @@ def _routed(func, args, kwargs):
 
 
 def _routed_functions():
-    table = {F.linear: _linear, torch.bmm: _bmm, torch.Tensor.bmm: _bmm}
+    table = {F.linear: _linear, torch.bmm: _bmm, torch.Tensor.bmm: _bmm, torch.conv_tbc: _conv_tbc}
     names = [
         (F, "multi_head_attention_forward"), (F, "scaled_dot_product_attention"), (F, "bilinear"),
         (torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"),
@@ -336,6 +369,8 @@ def _routed_functions():
         (torch.Tensor, "addmm"), (torch, "baddbmm"), (torch.Tensor, "baddbmm"), (torch, "addbmm"),
         (torch, "einsum"), (torch, "tensordot"), (torch, "lstm"), (torch, "gru"),
         (torch, "rnn_tanh"), (torch, "rnn_relu"),
+        (F, "conv1d"), (F, "conv2d"), (F, "conv3d"), (F, "conv_transpose1d"),
+        (F, "conv_transpose2d"), (F, "conv_transpose3d"),
     ]
     for owner, name in names:
         fn = getattr(owner, name, None)
