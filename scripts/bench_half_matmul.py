@@ -121,18 +121,13 @@ def main():
                     "of width --dim each side)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    if a.fconv:
+    if a.fconv or a.fairseq:  # fairseq models: (source, target) token ids
         tokens = tuple(torch.randint(4, 8000, (a.batch, a.seq)) for _ in range(2))
-        make = lambda: build_fconv(a.layers, a.dim)  # noqa: E731
+        make = lambda: (build_fconv if a.fconv else build_fairseq)(a.layers, a.dim)  # noqa: E731
         batch_for = lambda dtype: tokens  # noqa: E731
-        model_name = (f"fairseq fconv {a.layers}+{a.layers} ConvTBC layers (kernel 3) d={a.dim}, "
-                      f"vocab 8000, batch {a.batch}x{a.seq} tokens per side")
-    elif a.fairseq:
-        tokens = tuple(torch.randint(4, 8000, (a.batch, a.seq)) for _ in range(2))
-        make = lambda: build_fairseq(a.layers, a.dim)  # noqa: E731
-        batch_for = lambda dtype: tokens  # noqa: E731
-        model_name = (f"fairseq transformer {a.layers}+{a.layers} layers d={a.dim} ffn={2 * a.dim} "
-                      f"vocab 8000, batch {a.batch}x{a.seq} tokens per side")
+        model_name = (f"fairseq fconv {a.layers}+{a.layers} ConvTBC layers (kernel 3) d={a.dim}" if a.fconv else
+                      f"fairseq transformer {a.layers}+{a.layers} layers d={a.dim} ffn={2 * a.dim}")
+        model_name += f", vocab 8000, batch {a.batch}x{a.seq} tokens per side"
     else:
         x32 = torch.randn(a.batch, a.seq, a.dim)
         make = lambda: build(a.layers, a.dim)  # noqa: E731
