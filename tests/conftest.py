@@ -64,11 +64,10 @@ class _CliServer:
     """
 
     def __init__(self, tool):
-        self.env = CLI_ENV
         self.log = tempfile.TemporaryFile("w+")  # the server's own stderr: what its imports log
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_server.py"), tool],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=self.env)
+                                     text=True, env=CLI_ENV)
         atexit.register(self.close)
 
     def run(self, tool, args, tmp, env_changes):
@@ -107,7 +106,8 @@ def run_cli(tool, args, check=True):
     changed = sorted(k for k in set(env) | set(CLI_ENV) if env.get(k) != CLI_ENV.get(k))
     fresh = [k for k in changed if k.startswith(IMPORT_TIME_ENV)]
     if fresh:
-        RUNS[f"fresh ({', '.join(fresh)})"] = RUNS.get(f"fresh ({', '.join(fresh)})", 0) + 1
+        how = f"fresh ({', '.join(fresh)})"
+        RUNS[how] = RUNS.get(how, 0) + 1
         proc = subprocess.run([str(BIN / tool), *args], capture_output=True, text=True, env=env)
     else:
         RUNS["forked"] = RUNS.get("forked", 0) + 1

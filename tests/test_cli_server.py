@@ -2,12 +2,15 @@
 
 import re
 
+import conftest
 from conftest import USER_DIR, run_cli, train
 
 
 def test_forked_run_logs_what_a_fresh_process_logs(toy_data, tmp_path, monkeypatch):
     flags = ("--fp16", "--fp16-init-scale", "1048576", "--max-update", "6", "--no-save")
+    before = conftest.RUNS.get("forked", 0)
     forked, forked_recs = train(toy_data, tmp_path / "forked", *flags)
+    assert conftest.RUNS.get("forked", 0) == before + 1  # it did run in a fork
     monkeypatch.setenv("FAIRSEQ_FP16_TEST_FRESH_PROCESS", "1")
     fresh, fresh_recs = train(toy_data, tmp_path / "fresh", *flags)
     keys = ("loss", "loss_scale", "gnorm")
@@ -17,7 +20,9 @@ def test_forked_run_logs_what_a_fresh_process_logs(toy_data, tmp_path, monkeypat
 
 def test_forked_run_fails_with_the_status_and_message_of_a_fresh_process(toy_data, tmp_path, monkeypatch):
     flags = ("--fp16", "--loss-scale", "3", "--max-update", "1", "--no-save")
+    before = conftest.RUNS.get("forked", 0)
     forked, _ = train(toy_data, tmp_path / "forked", *flags, check=False)
+    assert conftest.RUNS.get("forked", 0) == before + 1
     monkeypatch.setenv("FAIRSEQ_FP16_TEST_FRESH_PROCESS", "1")
     fresh, _ = train(toy_data, tmp_path / "fresh", *flags, check=False)
     assert forked.returncode == fresh.returncode != 0
@@ -29,7 +34,9 @@ def test_forked_generate_prints_what_a_fresh_process_prints(toy_data, tmp_path, 
     train(toy_data, tmp_path, "--max-update", "4")
     args = [toy_data, "--path", tmp_path / "checkpoint_last.pt", "--user-dir", USER_DIR, "--cpu",
             "--beam", "1", "--max-tokens", "4000", "--gen-subset", "test"]
+    before = conftest.RUNS.get("forked", 0)
     forked = run_cli("fairseq-generate", args)
+    assert conftest.RUNS.get("forked", 0) == before + 1
     monkeypatch.setenv("FAIRSEQ_FP16_TEST_FRESH_PROCESS", "1")
     fresh = run_cli("fairseq-generate", args)
 
