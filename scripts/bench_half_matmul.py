@@ -15,7 +15,8 @@ transformer instead (--layers each side, FFN 2 x --dim, shared 8,000-word
 embeddings, a cross-entropy loss on --batch x --seq target tokens), half models
 on fairseq's own attention path as translation_fp16 builds them: the plugin's
 real products; ``--fconv`` times fairseq's convolutional model (its ConvTBC
-convolutions are routed too). Native fp16 on a CPU without fp16 units is very
+convolutions are routed too), ``--lstm`` its LSTM model (an ``nn.LSTM`` encoder, a
+decoder stepping ``nn.LSTMCell``s with attention). Native fp16 on a CPU without fp16 units is very
 slow: it runs --slow-steps steps per round only.
 """
 
@@ -80,6 +81,28 @@ def build_fconv(layers, dim, vocab=8000, seed=0):
     return FConvModel.build_model(args, Namespace(source_dictionary=words, target_dictionary=words))
 
 
+def build_lstm(layers, dim, vocab=8000, seed=0):
+    """fairseq's LSTM seq2seq: nn.LSTM encoder, LSTMCell decoder with attention, hidden size dim."""
+    from argparse import Namespace
+
+    from fairseq.data import Dictionary
+    from fairseq.models.lstm import LSTMModel, base_architecture
+
+    words = Dictionary()
+    for i in range(vocab - len(words)):
+        words.add_symbol(f"w{i}")
+    args = Namespace(arch="lstm", encoder_embed_dim=dim, encoder_hidden_size=dim, encoder_layers=layers,
+                     decoder_embed_dim=dim, decoder_hidden_size=dim, decoder_out_embed_dim=dim,
+                     decoder_layers=layers, dropout=0.0, max_source_positions=1024, max_target_positions=1024,
+                     criterion="cross_entropy")
+    base_architecture(args)
+    torch.manual_seed(seed)
+    return LSTMModel.build_model(args, Namespace(source_dictionary=words, target_dictionary=words))
+
+
+BUILDERS = {"fairseq": build_fairseq, "fconv": build_fconv, "lstm": build_lstm}
+
+
 def loss_of(model, x):
     if isinstance(x, tuple):  # fairseq: (source, target) token ids
         src, tgt = x
@@ -119,14 +142,18 @@ def main():
     ap.add_argument("--fconv", action="store_true",
                     help="time fairseq's convolutional encoder-decoder (fconv: --layers ConvTBC layers "
                     "of width --dim each side)")
+    ap.add_argument("--lstm", action="store_true",
+                    help="time fairseq's LSTM encoder-decoder (--layers LSTM layers of --dim each side)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    if a.fconv or a.fairseq:  # fairseq models: (source, target) token ids
+    arch = next((k for k in BUILDERS if getattr(a, k)), None)
+    if arch:  # fairseq models: (source, target) token ids
         tokens = tuple(torch.randint(4, 8000, (a.batch, a.seq)) for _ in range(2))
-        make = lambda: (build_fconv if a.fconv else build_fairseq)(a.layers, a.dim)  # noqa: E731
+        make = lambda: BUILDERS[arch](a.layers, a.dim)  # noqa: E731
         batch_for = lambda dtype: tokens  # noqa: E731
-        model_name = (f"fairseq fconv {a.layers}+{a.layers} ConvTBC layers (kernel 3) d={a.dim}" if a.fconv else
-                      f"fairseq transformer {a.layers}+{a.layers} layers d={a.dim} ffn={2 * a.dim}")
+        model_name = {"fconv": f"fairseq fconv {a.layers}+{a.layers} ConvTBC layers (kernel 3) d={a.dim}",
+                      "lstm": f"fairseq lstm {a.layers}+{a.layers} layers d={a.dim}",
+                      "fairseq": f"fairseq transformer {a.layers}+{a.layers} layers d={a.dim} ffn={2 * a.dim}"}[arch]
         model_name += f", vocab 8000, batch {a.batch}x{a.seq} tokens per side"
     else:
         x32 = torch.randn(a.batch, a.seq, a.dim)

@@ -19,7 +19,7 @@ elementwise) run in their own precision, as they would on the GPU.
   ``torch.conv_tbc`` (fairseq's ConvTBC, whose backward aten decomposes below
   autograd) become autograd functions that upcast in forward and backward
   themselves, and the other functions in :data:`ROUTED_FUNCTIONS` (attention,
-  ``matmul``, ``einsum``, RNNs, ``F.conv*``, ...) run, forward and backward, under
+  ``matmul``, ``einsum``, RNNs and RNN cells, ``F.conv*``, ...) run, forward and backward, under
   :class:`Fp32AccumulateMatmul`. It costs a Python call per torch function
   call of the forward pass instead of one per aten op of forward and backward,
   and gives the same bits as the dispatch mode alone on fairseq's transformer
@@ -369,6 +369,8 @@ def _routed_functions():
         (torch.Tensor, "addmm"), (torch, "baddbmm"), (torch.Tensor, "baddbmm"), (torch, "addbmm"),
         (torch, "einsum"), (torch, "tensordot"), (torch, "lstm"), (torch, "gru"),
         (torch, "rnn_tanh"), (torch, "rnn_relu"),
+        # nn.LSTMCell/GRUCell/RNNCell (fairseq's LSTM decoder steps through LSTMCell)
+        (torch, "lstm_cell"), (torch, "gru_cell"), (torch, "rnn_tanh_cell"), (torch, "rnn_relu_cell"),
         (F, "conv1d"), (F, "conv2d"), (F, "conv3d"), (F, "conv_transpose1d"),
         (F, "conv_transpose2d"), (F, "conv_transpose3d"),
     ]

@@ -271,6 +271,19 @@ def test_function_mode_routes_rnns_and_sums_the_gradient_of_a_tensor_used_twice(
     x = rand(2, 5, 8, dtype=torch.bfloat16).requires_grad_()
     _, calls_f = assert_same_numbers(backward_of(lambda: lstm(x)[0]), [x, *lstm.parameters()])
     assert calls_f == 1  # one torch.lstm call, its products under the dispatch mode
+    # the cells (fairseq's LSTM decoder steps an LSTMCell): one routed call a step
+    for cell in (torch.nn.LSTMCell(8, 16), torch.nn.GRUCell(8, 16), torch.nn.RNNCell(8, 16),
+                 torch.nn.RNNCell(8, 16, nonlinearity="relu")):
+        cell.half()
+        x = rand(3, 8, dtype=torch.float16).requires_grad_()
+
+        def two_steps():
+            h = cell(x)
+            h = cell(x, h)
+            return h[0] if isinstance(h, tuple) else h
+
+        _, calls_f = assert_same_numbers(backward_of(two_steps), [x, *cell.parameters()])
+        assert calls_f == 2, type(cell).__name__
     # y passed twice to one routed function: both uses reach y.grad, as without the mode
     y = rand(6, 8, dtype=torch.float16).requires_grad_()
     assert_same_numbers(backward_of(lambda: torch.einsum("ij,kj->ik", y, y)), [y])
