@@ -26,6 +26,10 @@ elementwise) run in their own precision, as they would on the GPU.
   (``tests/core/test_half_matmul.py``). A product issued by a function
   outside that list runs torch's native half kernel (right, but slow on such
   CPUs).
+* :class:`NativeHalfProducts` finds those: entered around a step run under the
+  modes, it counts the half products that reached a native kernel and where
+  they were issued (``translation_fp16`` checks its first training and
+  generation steps).
 
 On a CPU without fp16 arithmetic, native fp16 matrix products are 26-41x slower
 than fp32 (BENCHMARKS.md); with fp32 accumulation a half-precision step runs
@@ -39,8 +43,11 @@ CUDA tensors are never touched.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import os
+import sys
 from typing import Iterable, Optional, Set
 
 import torch
@@ -53,6 +60,7 @@ __all__ = [
     "HALF_MATMUL_CHOICES",
     "Fp32AccumulateMatmul",
     "Fp32AccumulateFunctions",
+    "NativeHalfProducts",
     "ROUTED_FUNCTIONS",
     "cpu_has_native_half",
     "resolve_half_matmul",
@@ -407,6 +415,51 @@ class Fp32AccumulateFunctions(TorchFunctionMode):
                 self.calls += 1
                 return out
         return func(*args, **kwargs)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _issuing_site() -> str:
+    """Where the running Python code issued the op: the innermost frame outside torch and
+    this module as ``file:line (function)`` (an installed package's file relative to its
+    site-packages), or "backward pass" inside autograd's engine."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_engine_run_backward":
+            return "backward pass"
+        path = code.co_filename
+        if not path.startswith(_TORCH_DIR) and path != __file__:
+            _, packages, inside = path.rpartition("site-packages" + os.sep)
+            return f"{inside if packages else path}:{frame.f_lineno} ({code.co_name})"
+        frame = frame.f_back
+    return "unknown"
+
+
+class NativeHalfProducts(TorchDispatchMode):
+    """Counts the half CPU matrix products that reach torch's native kernels (a check).
+
+    Entered before :class:`Fp32AccumulateFunctions` runs a step, it sees the products
+    the modes routed with fp32 operands (they upcast before calling the kernel) and
+    counts those that escaped them with half operands: ``counts`` maps
+    ``(op name, issuing site)`` to calls. On a CPU without half units each of those
+    runs at a fraction of fp32's speed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in COVERED_OPS and _half_cpu_dtype(args) is not None:
+            self.counts[(func.overloadpacket.__name__, _issuing_site())] += 1
+        return func(*args, **kwargs)
+
+    def summary(self) -> str:
+        """``"aten.addmm x4 at site, ..."``, most frequent first ("" when none escaped)."""
+        return ", ".join(f"aten.{op} x{n} at {site}" for (op, site), n in self.counts.most_common())
 
 
 def half_matmul_context(enabled: bool):

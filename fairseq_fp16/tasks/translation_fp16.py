@@ -36,6 +36,7 @@ What it adds to ``translation``:
 
 import logging
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import wraps
 from typing import Optional
@@ -50,7 +51,12 @@ from omegaconf import II
 
 from ..core.cpu_kernel_cache import cap_cpu_kernel_caches, check_capacity
 from ..core.fp32_islands import apply_fp32_islands
-from ..core.half_matmul import HALF_MATMUL_CHOICES, half_matmul_context, resolve_half_matmul
+from ..core.half_matmul import (
+    HALF_MATMUL_CHOICES,
+    NativeHalfProducts,
+    half_matmul_context,
+    resolve_half_matmul,
+)
 from ..core.loss_scaler import parse_loss_scale
 from ..core.master_weights import tag_param_names
 
@@ -177,6 +183,7 @@ class TranslationFP16Task(TranslationTask):
         dtype = self.half_dtype
         on_cpu = bool(getattr(cfg, "cpu", False)) or not torch.cuda.is_available()
         self.fp32_accumulate = on_cpu and resolve_half_matmul(str(cfg.half_matmul), dtype)
+        self._checked_steps = set()  # steps whose native half products were counted
         if dtype is not None and on_cpu:
             logger.info(
                 "CPU %s matrix products: %s (--half-matmul %s)",
@@ -206,7 +213,7 @@ class TranslationFP16Task(TranslationTask):
 
     # The CPU matmul mode is active exactly during these three steps.
     def train_step(self, *args, **kwargs):
-        with half_matmul_context(self.fp32_accumulate):
+        with half_matmul_context(self.fp32_accumulate), self._native_products_check("training step"):
             return super().train_step(*args, **kwargs)
 
     def valid_step(self, *args, **kwargs):
@@ -214,8 +221,30 @@ class TranslationFP16Task(TranslationTask):
             return super().valid_step(*args, **kwargs)
 
     def inference_step(self, *args, **kwargs):
-        with half_matmul_context(self.fp32_accumulate):
+        with half_matmul_context(self.fp32_accumulate), self._native_products_check("generation step"):
             return super().inference_step(*args, **kwargs)
+
+    @contextmanager
+    def _native_products_check(self, step: str):
+        """The first training (generation) step under fp32 accumulation counts the half
+        products that escaped it: functions the mode does not route run torch's native
+        half kernels, tens of times slower than fp32 on such a CPU. Logs what it found."""
+        if not self.fp32_accumulate or step in self._checked_steps:
+            yield
+            return
+        self._checked_steps.add(step)
+        with NativeHalfProducts() as check:
+            yield
+        if check.counts:
+            logger.warning(
+                "--half-matmul: %d half-precision matrix products of the first %s ran on torch's "
+                "native half kernels (on a CPU without half-precision units many times slower "
+                "than fp32): %s. The functions that issue them are not routed to fp32 "
+                "accumulation (ROUTED_FUNCTIONS in fairseq_fp16/core/half_matmul.py)",
+                sum(check.counts.values()), step, check.summary())
+        else:
+            logger.info("--half-matmul: every half-precision matrix product of the first %s "
+                        "accumulated in fp32", step)
 
     def get_batch_iterator(self, dataset, *args, **kwargs):
         """fairseq's iterator, with examples ordered as in epoch 1 (see the module docstring)."""

@@ -4,6 +4,9 @@ Both implementations are held to the same numbers: the dispatch mode (below
 autograd) and the function mode the task uses (above autograd).
 """
 
+import functools
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from fairseq_fp16.core.half_matmul import (
     Fp32AccumulateFunctions,
     Fp32AccumulateMatmul,
+    NativeHalfProducts,
     cpu_has_native_half,
     resolve_half_matmul,
 )
@@ -151,21 +155,86 @@ def test_task_activates_the_mode_exactly_during_its_steps(monkeypatch):
 
     from fairseq_fp16.tasks.translation_fp16 import TranslationFP16Task
 
-    seen = {}
+    seen, checks = {}, []
+
+    def step(self, *args, _n, **kwargs):
+        seen[_n] = _get_current_function_mode()
+        checks.append((_n, type(_get_current_dispatch_mode()).__name__))
+
     for name in ("train_step", "valid_step", "inference_step"):
-        monkeypatch.setattr(TranslationTask, name,
-                            lambda self, *a, _n=name, **k: seen.setdefault(_n, _get_current_function_mode()))
+        monkeypatch.setattr(TranslationTask, name, functools.partialmethod(step, _n=name))
     task = TranslationFP16Task.__new__(TranslationFP16Task)
-    task.fp32_accumulate = True
-    task.train_step(None, None, None, None, 0)
-    task.valid_step(None, None, None)
-    task.inference_step(None, None, None)
+    task.fp32_accumulate, task._checked_steps = True, set()
+    for _ in range(2):
+        task.train_step(None, None, None, None, 0)
+        task.valid_step(None, None, None)
+        task.inference_step(None, None, None)
     assert all(isinstance(m, Fp32AccumulateFunctions) for m in seen.values()) and len(seen) == 3
+    # the first training and generation steps count the products that escape the mode
+    assert checks == [("train_step", "NativeHalfProducts"), ("valid_step", "NoneType"),
+                      ("inference_step", "NativeHalfProducts"), ("train_step", "NoneType"),
+                      ("valid_step", "NoneType"), ("inference_step", "NoneType")]
     assert _get_current_function_mode() is None and _get_current_dispatch_mode() is None
     task.fp32_accumulate = False
     seen.clear()
     task.train_step(None, None, None, None, 0)
     assert seen["train_step"] is None
+
+
+def test_native_half_products_counts_what_escapes_the_modes():
+    # routed functions (linear, bmm, an LSTM cell, a convolution), forward and backward: nothing escapes;
+    # torch.linalg.multi_dot is not routed: its two products and their four gradient products do
+    w = rand(16, 16, dtype=torch.float16).requires_grad_()
+    x = rand(4, 16, dtype=torch.float16, seed=1).requires_grad_()
+    cell = torch.nn.LSTMCell(16, 16).half()
+    conv = torch.nn.Conv1d(4, 4, 3).half()
+
+    def routed():
+        return (F.linear(x, w).sum() + torch.bmm(x[None], w[None]).sum() + cell(x)[0].sum()
+                + conv(x[None]).sum())
+
+    def escaping():
+        return torch.linalg.multi_dot([x, w, w.t()]).sum()
+
+    for fn, expected in ((routed, {}), (escaping, None)):
+        with NativeHalfProducts() as check, Fp32AccumulateFunctions():
+            fn().float().backward()
+        if expected is None:  # the forward's site: the line of escaping() that called multi_dot
+            site = f"{__file__}:{escaping.__code__.co_firstlineno + 1} (escaping)"
+            expected = {("mm", site): 2, ("mm", "backward pass"): 4}
+        assert dict(check.counts) == expected, fn.__name__
+    assert check.summary() == f"aten.mm x4 at backward pass, aten.mm x2 at {site}"
+    # without a mode every half product is native; fp32 products are not counted
+    with NativeHalfProducts() as check:
+        F.linear(x, w)
+        F.linear(x.float(), w.float())
+    assert sum(check.counts.values()) == 1
+
+
+def test_first_training_step_logs_the_products_that_escaped(caplog):
+    from types import SimpleNamespace
+
+    from fairseq_fp16.tasks.translation_fp16 import TranslationFP16Task
+
+    task = SimpleNamespace(fp32_accumulate=True, _checked_steps=set())
+    check = TranslationFP16Task._native_products_check
+    x = rand(4, 16, dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="fairseq_fp16.tasks.translation_fp16"):
+        with Fp32AccumulateFunctions(), check(task, "training step"):
+            torch.linalg.multi_dot([x, x.t(), x])
+        with Fp32AccumulateFunctions(), check(task, "training step"):  # checked once only
+            torch.linalg.multi_dot([x, x.t(), x])
+        with Fp32AccumulateFunctions(), check(task, "generation step"):
+            F.linear(x, x)
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+    assert re.fullmatch(
+        r"--half-matmul: 2 half-precision matrix products of the first training step ran on torch's "
+        r"native half kernels \(on a CPU without half-precision units many times slower than "
+        r"fp32\): aten\.mm x2 at .*test_half_matmul\.py:\d+ \(test_first_training_step_logs_the_"
+        r"products_that_escaped\)\. The functions that issue them are not routed to fp32 accumulation "
+        r"\(ROUTED_FUNCTIONS in fairseq_fp16/core/half_matmul\.py\)", caplog.records[0].getMessage())
+    assert caplog.records[1].getMessage() == (
+        "--half-matmul: every half-precision matrix product of the first generation step accumulated in fp32")
 
 
 def grads_under(mode_cls, step, params):
