@@ -43,15 +43,23 @@ def build(layers, dim, seed=0):
     return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
 
-def build_fairseq(layers, dim, vocab=8000, seed=0):
+def fairseq_task(vocab):
+    """What a fairseq model's build_model reads of its task: one shared dictionary of vocab words."""
     from argparse import Namespace
 
     from fairseq.data import Dictionary
-    from fairseq.models.transformer import TransformerModel, transformer_legacy
 
     words = Dictionary()
     for i in range(vocab - len(words)):
         words.add_symbol(f"w{i}")
+    return Namespace(source_dictionary=words, target_dictionary=words)
+
+
+def build_fairseq(layers, dim, vocab=8000, seed=0):
+    from argparse import Namespace
+
+    from fairseq.models.transformer import TransformerModel, transformer_legacy
+
     args = Namespace(arch="transformer", encoder_layers=layers, decoder_layers=layers,
                      encoder_embed_dim=dim, decoder_embed_dim=dim, encoder_ffn_embed_dim=2 * dim,
                      decoder_ffn_embed_dim=2 * dim, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -59,45 +67,37 @@ def build_fairseq(layers, dim, vocab=8000, seed=0):
                      decoder_normalize_before=True)
     transformer_legacy.base_architecture(args)
     torch.manual_seed(seed)
-    return TransformerModel.build_model(args, Namespace(source_dictionary=words, target_dictionary=words))
+    return TransformerModel.build_model(args, fairseq_task(vocab))
 
 
 def build_fconv(layers, dim, vocab=8000, seed=0):
     """fairseq's convolutional seq2seq (fconv): ConvTBC layers of kernel 3 with GLU, attention."""
     from argparse import Namespace
 
-    from fairseq.data import Dictionary
     from fairseq.models.fconv import FConvModel, base_architecture
 
-    words = Dictionary()
-    for i in range(vocab - len(words)):
-        words.add_symbol(f"w{i}")
     convs = f"[({dim}, 3)] * {layers}"
     args = Namespace(arch="fconv", encoder_embed_dim=dim, decoder_embed_dim=dim, decoder_out_embed_dim=dim,
                      encoder_layers=convs, decoder_layers=convs, dropout=0.0,
                      max_source_positions=1024, max_target_positions=1024)
     base_architecture(args)
     torch.manual_seed(seed)
-    return FConvModel.build_model(args, Namespace(source_dictionary=words, target_dictionary=words))
+    return FConvModel.build_model(args, fairseq_task(vocab))
 
 
 def build_lstm(layers, dim, vocab=8000, seed=0):
     """fairseq's LSTM seq2seq: nn.LSTM encoder, LSTMCell decoder with attention, hidden size dim."""
     from argparse import Namespace
 
-    from fairseq.data import Dictionary
     from fairseq.models.lstm import LSTMModel, base_architecture
 
-    words = Dictionary()
-    for i in range(vocab - len(words)):
-        words.add_symbol(f"w{i}")
     args = Namespace(arch="lstm", encoder_embed_dim=dim, encoder_hidden_size=dim, encoder_layers=layers,
                      decoder_embed_dim=dim, decoder_hidden_size=dim, decoder_out_embed_dim=dim,
                      decoder_layers=layers, dropout=0.0, max_source_positions=1024, max_target_positions=1024,
                      criterion="cross_entropy")
     base_architecture(args)
     torch.manual_seed(seed)
-    return LSTMModel.build_model(args, Namespace(source_dictionary=words, target_dictionary=words))
+    return LSTMModel.build_model(args, fairseq_task(vocab))
 
 
 BUILDERS = {"fairseq": build_fairseq, "fconv": build_fconv, "lstm": build_lstm}
