@@ -54,6 +54,10 @@ TRAIN_SETTINGS = ("data", "train_args", "seed")
 DECODE_SETTINGS = ("gen_args", "gen_subset", "short_max_words")
 #: translation_fp16's log line on the CPU matrix-product path a half-precision run took
 HALF_MATMUL_LOG = re.compile(r"CPU (?:fp16|bf16) matrix products: (.+?) \((--half-matmul \S+)\)")
+#: its check of the first training step under fp32 accumulation: products left on native kernels
+NATIVE_PRODUCTS_LOG = re.compile(r"--half-matmul: (?:(\d+) half-precision matrix products of the first "
+                                 r"training step ran on|(every) half-precision matrix product of the "
+                                 r"first training step accumulated)")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
 
 
@@ -224,6 +228,7 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
     wps = [r["wps"] for r in steady if isinstance(r.get("wps"), (int, float))]
 
     half_matmul = HALF_MATMUL_LOG.search(log_text)
+    native_products = NATIVE_PRODUCTS_LOG.search(log_text)
 
     def wall_at(update):
         walls = [r["wall"] for r in inner if r["num_updates"] <= update and "wall" in r]
@@ -239,6 +244,9 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
         "machine": t_stats.get("machine"),
         # e.g. "fp32 accumulation, rounded to half (--half-matmul auto)"; None: fp32 or CUDA
         "half_matmul": f"{half_matmul.group(1)} ({half_matmul.group(2)})" if half_matmul else None,
+        # half products of the first training step that fp32 accumulation left on torch's native
+        # kernels (the train log names them); None: not checked (fp32, native kernels, CUDA)
+        "native_half_products": (int(native_products.group(1) or 0) if native_products else None),
         "train": {
             "wall_s": round(t_stats["wall_s"], 2),
             "peak_rss_mb": round(t_stats["peak_rss_mb"], 1),

@@ -279,7 +279,13 @@ def machine_lines(results) -> list:
     paths = {}
     for r in results:
         if r.get("half_matmul"):
-            paths.setdefault(r["half_matmul"], []).append(r["mode"])
+            path, escaped = r["half_matmul"], r.get("native_half_products")
+            if escaped == 0:
+                path += ", checked: no product of the first training step on native kernels"
+            elif escaped:
+                path += (f", checked: **{escaped} products of the first training step on native "
+                         "kernels** (the train log names them)")
+            paths.setdefault(path, []).append(r["mode"])
     if paths:
         lines.append("CPU half-precision matrix products: " + "; ".join(
             f"{', '.join(modes)}: {path}" for path, modes in paths.items()) + ".")

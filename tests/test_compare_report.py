@@ -67,9 +67,13 @@ def test_result_json_records_the_machine_and_the_matmul_path(compared):
     path = "native kernels" if m["cpu_native_fp16"] else "fp32 accumulation, rounded to half"
     assert r16["half_matmul"] == f"{path} (--half-matmul auto)"
     assert r32["half_matmul"] is None
+    # fp32 accumulation checks its first training step: every product of the transformer routed
+    assert r16["native_half_products"] == (None if m["cpu_native_fp16"] else 0)
+    assert r32["native_half_products"] is None
+    checked = "" if m["cpu_native_fp16"] else ", checked: no product of the first training step on native kernels"
     md = (out / "report.md").read_text()
     assert f"\n\nMachine (all runs): {m['cpu']} ({m['cpu_cores']} cores; torch kernels {m['cpu_capability']}; " in md
-    assert f"\n\nCPU half-precision matrix products: fp16: {path} (--half-matmul auto).\n" in md
+    assert f"\n\nCPU half-precision matrix products: fp16: {path} (--half-matmul auto){checked}.\n" in md
 
 
 def test_report_warns_when_runs_ran_on_different_machines():
@@ -84,6 +88,13 @@ def test_report_warns_when_runs_ran_on_different_machines():
             {"mode": "bf16", "machine": cpu, "half_matmul": "native kernels (--half-matmul auto)"}]
     assert machine_lines(runs) == [f"Machine (all runs): {same}.",
                                    "CPU half-precision matrix products: bf16: native kernels (--half-matmul auto)."]
+    acc = "fp32 accumulation, rounded to half (--half-matmul auto)"
+    checked = [{"mode": "fp16", "machine": cpu, "half_matmul": acc, "native_half_products": 0},
+               {"mode": "bf16", "machine": cpu, "half_matmul": acc, "native_half_products": 12}]
+    assert machine_lines(checked)[1] == (
+        f"CPU half-precision matrix products: fp16: {acc}, checked: no product of the first training step "
+        f"on native kernels; bf16: {acc}, checked: **12 products of the first training step on native "
+        "kernels** (the train log names them).")
     old = {"mode": "fp32-seed2"}  # written before result.json recorded its machine
     assert machine_lines([old]) == []
     assert machine_lines(runs[:1] + [old]) == [f"Machines: fp32: {same}; fp32-seed2: not recorded."]
