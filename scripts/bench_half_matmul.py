@@ -6,7 +6,8 @@
 Same model (LayerNorms kept fp32 as in the plugin), same batch, forward + backward,
 in one process. fp32 accumulation runs twice: through the function mode
 ``--half-matmul`` uses (``fp32-accumulate``) and through the dispatch mode alone
-(``fp32-accumulate dispatch``: a Python call on every aten op), same numbers.
+(``fp32-accumulate dispatch``: a Python call on every aten op), same numbers (but for
+RNNs, which the function mode runs in fp32 inside, as cuDNN does).
 The variants run interleaved for --rounds rounds and each reports
 the median of its per-step times, so a noisy machine shifts all of them alike.
 Prints a table and, as its last line, one JSON object with the ms/step of each

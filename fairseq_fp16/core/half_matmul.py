@@ -18,8 +18,10 @@ elementwise) run in their own precision, as they would on the GPU.
   autograd (a ``TorchFunctionMode``): ``F.linear``, ``torch.bmm`` and
   ``torch.conv_tbc`` (fairseq's ConvTBC, whose backward aten decomposes below
   autograd) become autograd functions that upcast in forward and backward
-  themselves, and the other functions in :data:`ROUTED_FUNCTIONS` (attention,
-  ``matmul``, ``einsum``, RNNs and RNN cells, ``F.conv*``, ...) run, forward and backward, under
+  themselves; RNNs (``torch.lstm``, ...) run in fp32 inside, as cuDNN runs half
+  RNNs, and the LSTM and GRU cells as PyTorch's fused CUDA cells compute them; the
+  other functions in :data:`ROUTED_FUNCTIONS` (attention,
+  ``matmul``, ``einsum``, ``F.conv*``, ...) run, forward and backward, under
   :class:`Fp32AccumulateMatmul`. It costs a Python call per torch function
   call of the forward pass instead of one per aten op of forward and backward,
   and gives the same bits as the dispatch mode alone on fairseq's transformer
@@ -361,6 +363,80 @@ def _conv_tbc(func, args, kwargs):
     return NotImplemented
 
 
+def _fp32_rnn(func, args, kwargs):
+    """``torch.lstm``/``gru``/``rnn_tanh``/``rnn_relu`` (``nn.LSTM``, ...) of half CPU tensors:
+    the whole recurrence in fp32, the outputs rounded to half, as on a GPU, where cuDNN runs a
+    half RNN with fp32 math (PyTorch promotes its math type); fp32 also takes torch's fused
+    CPU kernel instead of a step-by-step decomposition. Autograd goes through the casts."""
+    dtype = _half_cpu_dtype(tree_flatten((args, kwargs))[0])
+    if dtype is None:
+        return NotImplemented
+    out = func(*_cast(args, {dtype}, torch.float32),
+               **{k: _cast(v, {dtype}, torch.float32) for k, v in kwargs.items()})
+    return _cast(out, {torch.float32}, dtype)
+
+
+def _cell_args(args, kwargs):
+    """(input, hx, w_ih, w_hh, b_ih, b_hh, dtype) of an RNN cell call when all are half CPU
+    tensors of one dtype and the input is a batch (2-d); None otherwise."""
+    bound = dict(zip(("input", "hx", "w_ih", "w_hh", "b_ih", "b_hh"), args), **kwargs)
+    if not set(bound) <= {"input", "hx", "w_ih", "w_hh", "b_ih", "b_hh"}:
+        return None
+    x, hx = bound.get("input"), bound.get("hx")
+    hx = tuple(hx) if isinstance(hx, (list, tuple)) else (hx,)
+    w_ih, w_hh, b_ih, b_hh = (bound.get(k) for k in ("w_ih", "w_hh", "b_ih", "b_hh"))
+    dtype = _same_half_cpu(x, *hx, w_ih, w_hh, b_ih, b_hh)
+    if dtype is None or x.dim() != 2 or w_ih is None or w_hh is None or (b_ih is None) != (b_hh is None):
+        return None
+    return x, hx, w_ih, w_hh, b_ih, b_hh, dtype
+
+
+def _cell_gates(x, h, w_ih, w_hh, n):
+    """The two gate products of a cell, each accumulated in fp32 and rounded to half (no bias,
+    as PyTorch's CUDA cells issue them), chunked into n fp32 gate pre-activations each."""
+    return (_Fp32Linear.apply(x, w_ih, None).float().chunk(n, 1),
+            _Fp32Linear.apply(h, w_hh, None).float().chunk(n, 1))
+
+
+def _lstm_cell(func, args, kwargs):
+    """``torch.lstm_cell`` (``nn.LSTMCell``) of half CPU tensors as PyTorch's fused CUDA cell
+    computes it: the two products rounded to half, then the gates, biases and states in fp32,
+    ``hy`` and ``cy`` rounded to half. The backward is autograd's, in fp32 up to the casts."""
+    cell = _cell_args(args, kwargs)
+    if cell is None or len(cell[1]) != 2:
+        return _routed(func, args, kwargs)
+    x, (h, c), w_ih, w_hh, b_ih, b_hh, dtype = cell
+    (xi, xf, xc, xo), (hi, hf, hc, ho) = _cell_gates(x, h, w_ih, w_hh, 4)
+    if b_ih is None:
+        pre = (xi + hi, xf + hf, xc + hc, xo + ho)
+    else:
+        (b1i, b1f, b1c, b1o), (b2i, b2f, b2c, b2o) = b_ih.float().chunk(4), b_hh.float().chunk(4)
+        pre = (xi + hi + b1i + b2i, xf + hf + b1f + b2f, xc + hc + b1c + b2c, xo + ho + b1o + b2o)
+    i, f, g, o = pre[0].sigmoid(), pre[1].sigmoid(), pre[2].tanh(), pre[3].sigmoid()
+    cy = f * c.float() + i * g
+    hy = o * cy.tanh()
+    return hy.to(dtype), cy.to(dtype)
+
+
+def _gru_cell(func, args, kwargs):
+    """``torch.gru_cell`` (``nn.GRUCell``) of half CPU tensors as PyTorch's fused CUDA cell
+    computes it: the two products rounded to half, the gates and state in fp32, ``hy``
+    rounded to half."""
+    cell = _cell_args(args, kwargs)
+    if cell is None or len(cell[1]) != 1:
+        return _routed(func, args, kwargs)
+    x, (h,), w_ih, w_hh, b_ih, b_hh, dtype = cell
+    (xr, xi, xn), (hr, hi, hn) = _cell_gates(x, h, w_ih, w_hh, 3)
+    if b_ih is None:
+        r, z, n = (xr + hr).sigmoid(), (xi + hi).sigmoid(), xn + r * hn
+    else:
+        (b1r, b1i, b1n), (b2r, b2i, b2n) = b_ih.float().chunk(3), b_hh.float().chunk(3)
+        r, z = (xr + hr + b1r + b2r).sigmoid(), (xi + hi + b1i + b2i).sigmoid()
+        n = xn + b1n + r * (hn + b2n)
+    n = n.tanh()
+    return (n + z * (h.float() - n)).to(dtype)
+
+
 def _routed(func, args, kwargs):
     flat = tree_flatten((args, kwargs))
     if _half_cpu_dtype(flat[0]) is None:
@@ -369,16 +445,19 @@ def _routed(func, args, kwargs):
 
 
 def _routed_functions():
-    table = {F.linear: _linear, torch.bmm: _bmm, torch.Tensor.bmm: _bmm, torch.conv_tbc: _conv_tbc}
+    table = {F.linear: _linear, torch.bmm: _bmm, torch.Tensor.bmm: _bmm, torch.conv_tbc: _conv_tbc,
+             # fairseq's LSTM decoder steps an nn.LSTMCell, its encoder runs an nn.LSTM
+             torch.lstm_cell: _lstm_cell, torch.gru_cell: _gru_cell}
+    for name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
+        table[getattr(torch, name)] = _fp32_rnn
     names = [
         (F, "multi_head_attention_forward"), (F, "scaled_dot_product_attention"), (F, "bilinear"),
         (torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"),
         (torch.Tensor, "__rmatmul__"), (torch, "mm"), (torch.Tensor, "mm"), (torch, "addmm"),
         (torch.Tensor, "addmm"), (torch, "baddbmm"), (torch.Tensor, "baddbmm"), (torch, "addbmm"),
-        (torch, "einsum"), (torch, "tensordot"), (torch, "lstm"), (torch, "gru"),
-        (torch, "rnn_tanh"), (torch, "rnn_relu"),
-        # nn.LSTMCell/GRUCell/RNNCell (fairseq's LSTM decoder steps through LSTMCell)
-        (torch, "lstm_cell"), (torch, "gru_cell"), (torch, "rnn_tanh_cell"), (torch, "rnn_relu_cell"),
+        (torch, "einsum"), (torch, "tensordot"),
+        # nn.RNNCell: products rounded to half, the rest in half, as on a GPU (no fused cell there)
+        (torch, "rnn_tanh_cell"), (torch, "rnn_relu_cell"),
         (F, "conv1d"), (F, "conv2d"), (F, "conv3d"), (F, "conv_transpose1d"),
         (F, "conv_transpose2d"), (F, "conv_transpose3d"),
     ]

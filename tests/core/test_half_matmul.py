@@ -328,31 +328,22 @@ def test_function_mode_trains_a_fairseq_transformer_like_the_dispatch_mode(dtype
     assert torch.equal(ref, out) and mode.calls > 0
 
 
-def test_function_mode_routes_rnns_and_sums_the_gradient_of_a_tensor_used_twice():
-    def backward_of(fn):
-        def step():
-            out = fn().float().pow(2).sum()
-            out.backward()
-            return out.detach()
-        return step
+def backward_of(fn):
+    def step():
+        out = fn().float().pow(2).sum()
+        out.backward()
+        return out.detach()
+    return step
 
-    lstm = torch.nn.LSTM(8, 16, batch_first=True).bfloat16()
-    x = rand(2, 5, 8, dtype=torch.bfloat16).requires_grad_()
-    _, calls_f = assert_same_numbers(backward_of(lambda: lstm(x)[0]), [x, *lstm.parameters()])
-    assert calls_f == 1  # one torch.lstm call, its products under the dispatch mode
-    # the cells (fairseq's LSTM decoder steps an LSTMCell): one routed call a step
-    for cell in (torch.nn.LSTMCell(8, 16), torch.nn.GRUCell(8, 16), torch.nn.RNNCell(8, 16),
-                 torch.nn.RNNCell(8, 16, nonlinearity="relu")):
+
+def test_function_mode_routes_rnn_cells_and_sums_the_gradient_of_a_tensor_used_twice():
+    # nn.RNNCell: one routed call a step, its products under the dispatch mode (a GPU has no
+    # fused kernel for it either: products rounded to half, the rest in half)
+    for cell in (torch.nn.RNNCell(8, 16), torch.nn.RNNCell(8, 16, nonlinearity="relu")):
         cell.half()
         x = rand(3, 8, dtype=torch.float16).requires_grad_()
-
-        def two_steps():
-            h = cell(x)
-            h = cell(x, h)
-            return h[0] if isinstance(h, tuple) else h
-
-        _, calls_f = assert_same_numbers(backward_of(two_steps), [x, *cell.parameters()])
-        assert calls_f == 2, type(cell).__name__
+        _, calls_f = assert_same_numbers(backward_of(lambda: cell(x, cell(x))), [x, *cell.parameters()])
+        assert calls_f == 2
     # y passed twice to one routed function: both uses reach y.grad, as without the mode
     y = rand(6, 8, dtype=torch.float16).requires_grad_()
     assert_same_numbers(backward_of(lambda: torch.einsum("ij,kj->ik", y, y)), [y])
@@ -362,3 +353,101 @@ def test_function_mode_routes_rnns_and_sums_the_gradient_of_a_tensor_used_twice(
     # d/dy of the sum of y y^T is twice the column sums, in every row: both uses counted
     torch.testing.assert_close(y.grad.float(), 2 * y.detach().float().sum(0).expand(6, 8),
                                rtol=1e-2, atol=1e-2)
+
+
+def fp32_copy(module):
+    """An fp32 module with the half module's weights (exact: every half value is an fp32 value)."""
+    import copy
+
+    return copy.deepcopy(module).float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_rnns_run_in_fp32_inside_as_cudnn_runs_half_rnns(dtype, kind):
+    """nn.LSTM/GRU/RNN in half under the function mode: the recurrence in fp32 (cuDNN's math
+    type for half RNNs), outputs rounded to half. Output and every gradient equal those of the
+    fp32 module on the same weights, rounded, bit for bit; packed sequences (fairseq's LSTM
+    encoder) too. One routed call."""
+    rnn = getattr(torch.nn, kind)(8, 16, num_layers=2, bidirectional=True).to(dtype)
+    ref = fp32_copy(rnn)
+    x = rand(5, 3, 8, dtype=dtype).requires_grad_()
+    x32 = x.detach().float().requires_grad_()
+    packed = lambda t: torch.nn.utils.rnn.pack_padded_sequence(t, torch.tensor([5, 4, 2]))  # noqa: E731
+    for wrap, unwrap in ((lambda t: t, lambda o: o), (packed, lambda o: o.data)):
+        x.grad = x32.grad = None
+        rnn.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        with Fp32AccumulateFunctions() as mode:
+            out = unwrap(rnn(wrap(x))[0])
+        out.float().pow(2).sum().backward()
+        assert mode.calls == 1 and out.dtype == dtype
+        out_ref = unwrap(ref(wrap(x32))[0]).to(dtype)
+        out_ref.float().pow(2).sum().backward()
+        assert torch.equal(out, out_ref)
+        assert torch.equal(x.grad, x32.grad.to(dtype))
+        for p, q in zip(rnn.parameters(), ref.parameters()):
+            assert p.grad.dtype == dtype and torch.equal(p.grad, q.grad.to(dtype))
+
+
+def fused_cuda_cell(kind, x, h, c, w_ih, w_hh, b_ih, b_hh):
+    """PyTorch's fused CUDA LSTM/GRU cell (aten/src/ATen/native/cuda/RNN.cu): the gate
+    products in half (fp32-accumulated, no bias), then everything in fp32, outputs to half."""
+    gi = torch.mm(x.float(), w_ih.float().t()).to(x.dtype).float()
+    gh = torch.mm(h.float(), w_hh.float().t()).to(x.dtype).float()
+    b1, b2 = b_ih.float(), b_hh.float()
+    n = 4 if kind == "LSTM" else 3
+    pre = [gi[:, k * gi.size(1) // n:(k + 1) * gi.size(1) // n] for k in range(n)]
+    hid = [gh[:, k * gh.size(1) // n:(k + 1) * gh.size(1) // n] for k in range(n)]
+    bb1, bb2 = b1.view(n, -1), b2.view(n, -1)
+    if kind == "LSTM":
+        ig, fg, cg, og = (pre[k] + hid[k] + bb1[k] + bb2[k] for k in range(4))
+        ig, fg, cg, og = torch.sigmoid(ig), torch.sigmoid(fg), torch.tanh(cg), torch.sigmoid(og)
+        cy = fg * c.float() + ig * cg
+        return (og * torch.tanh(cy)).to(x.dtype), cy.to(x.dtype)
+    rg = torch.sigmoid(pre[0] + hid[0] + bb1[0] + bb2[0])
+    zg = torch.sigmoid(pre[1] + hid[1] + bb1[1] + bb2[1])
+    ng = torch.tanh(pre[2] + bb1[2] + rg * (hid[2] + bb2[2]))
+    return (ng + zg * (h.float() - ng)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_lstm_and_gru_cells_compute_like_the_fused_cuda_cells(dtype, kind):
+    """nn.LSTMCell/GRUCell in half under the function mode (fairseq's LSTM decoder steps an
+    LSTMCell) equal the CUDA kernels' arithmetic bit for bit, forward; their gradients are
+    those of that arithmetic (autograd through it), close to fp32's."""
+    cell = getattr(torch.nn, f"{kind}Cell")(8, 16).to(dtype)
+    x = rand(3, 8, dtype=dtype).requires_grad_()
+    h0 = rand(3, 16, dtype=dtype, seed=1)
+    c0 = rand(3, 16, dtype=dtype, seed=2)
+    state = (h0, c0) if kind == "LSTM" else h0
+    with Fp32AccumulateFunctions() as mode:
+        out = cell(x, state)
+        out2 = cell(x, out)  # a second step from the first one's state
+    assert mode.calls == 2
+    w = (cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    want = fused_cuda_cell(kind, x, h0, c0, *w)
+    first = out if kind == "LSTM" else (out,)
+    want = want if kind == "LSTM" else (want,)
+    assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(first, want))
+    last = out2[0] if kind == "LSTM" else out2
+    last.float().pow(2).sum().backward()
+    grads = [x.grad.clone(), *(p.grad.clone() for p in cell.parameters())]
+    # the same arithmetic without the mode, through autograd: the same gradients
+    x.grad = None
+    cell.zero_grad(set_to_none=True)
+    s1 = fused_cuda_cell(kind, x, h0, c0, *w)
+    h1, c1 = s1 if kind == "LSTM" else (s1, None)
+    s2 = fused_cuda_cell(kind, x, h1, c1, *w)
+    (s2[0] if kind == "LSTM" else s2).float().pow(2).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(grads, [x.grad, *(p.grad for p in cell.parameters())]))
+    # and both are close to the fp32 cell's
+    ref = fp32_copy(cell)
+    x32 = x.detach().float().requires_grad_()
+    st = (h0.float(), c0.float()) if kind == "LSTM" else h0.float()
+    o32 = ref(x32, ref(x32, st))
+    (o32[0] if kind == "LSTM" else o32).pow(2).sum().backward()
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(last.float(), (o32[0] if kind == "LSTM" else o32).detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(grads[0].float(), x32.grad, rtol=5 * tol, atol=5 * tol)
