@@ -160,3 +160,39 @@ def test_trace_has_one_line_per_update_and_plots(toy_data, tmp_path):
                          capture_output=True, text=True, check=True)
     for name in ("scale_trace.png", "precision_stats.png", "precision_stats_over_updates.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG", out.stdout
+
+
+def test_forward_divergence_every_n_updates_leaves_training_unchanged(toy_data, tmp_path):
+    """--precision-divergence-interval 4 over 10 updates: records before updates 1, 5 and 9
+    (update_num 0, 4, 8), every module of the model, errors of a few fp16 units in the last
+    place; the losses are those of the same run without it (eval-mode passes draw no random
+    numbers and change no weight)."""
+    out = tmp_path / "div.jsonl"
+    acc = ["--half-matmul", "fp32-accumulate", "--max-update", "10", "--no-save"]
+    proc, recs = train(toy_data, tmp_path / "a", "--fp16", *acc, "--precision-divergence-interval", "4",
+                       "--precision-divergence", out)
+    _, plain = train(toy_data, tmp_path / "b", "--fp16", *acc)
+    assert [r["loss"] for r in recs] == [r["loss"] for r in plain]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["update"] for r in lines] == [0, 4, 8] and {r["dtype"] for r in lines} == {"float16"}
+    mods = lines[-1]["modules"]
+    assert "decoder.output_projection" in mods and "encoder.layers.0.fc1" in mods
+    assert not any("dropout" in name for name in mods)  # identities in eval mode, left out
+    eps = torch.finfo(torch.float16).eps
+    assert all(0 <= e < 8 * eps for r in lines for e in r["modules"].values())
+    assert max(lines[-1]["modules"].values()) > 0.1 * eps
+    assert "forward divergence @ update 8 (relative to fp32): " in proc.stdout + proc.stderr
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    subprocess.run([sys.executable, ROOT / "scripts" / "plot_trace.py", "--precision-divergence", out,
+                    "--out", tmp_path / "plots"], capture_output=True, text=True, check=True)
+    assert (tmp_path / "plots" / "precision_divergence.png").read_bytes()[:4] == b"\x89PNG"
+    # an fp32 run has no half forward to compare: said once, nothing written
+    proc32, _ = train(toy_data, tmp_path / "c", "--max-update", "3", "--no-save",
+                      "--precision-divergence-interval", "1", "--precision-divergence", tmp_path / "none.jsonl")
+    assert (proc32.stdout + proc32.stderr).count("--precision-divergence-interval: this run has no fp32 "
+                                                  "master weights") == 1
+    assert not (tmp_path / "none.jsonl").exists()

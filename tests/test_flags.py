@@ -19,6 +19,9 @@ CASES = [
     (["--fp16", "--adam-backend", "apex"], r"--adam-backend apex needs NVIDIA apex"),
     (["--bf16", "--cpu-kernel-cache", "0"],
      r"--cpu-kernel-cache must be an integer >= 1 \(kernels kept per cache; torch's default is 1024\), got 0"),
+    (["--fp16", "--precision-divergence-interval", "-2"],
+     r"--precision-divergence-interval must be >= 0 \(0 = off\), got -2"),
+    (["--fp16", "--precision-stats-interval", "-1"], r"--precision-stats-interval must be >= 0 \(0 = off\), got -1"),
     (["--fp16", "--half-matmul", "fast"],
      r"argument --half-matmul: invalid choice: 'fast' \(choose from '?auto'?, '?native'?, '?fp32-accumulate'?\)"),
 ]

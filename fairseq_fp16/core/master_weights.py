@@ -94,6 +94,10 @@ class MixedPrecisionOptimizer:
         self._inv_scale: Optional[torch.Tensor] = None  # unscale * clip factor
         self._grads_synced = False  # master grads hold this step's gradients
 
+    def masters_by_param(self) -> Dict[int, torch.Tensor]:
+        """``id(model parameter) -> its fp32 master``, for the half parameters."""
+        return {id(p): master for p, master in self._half_pairs}
+
     # ---------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss * scale`` into the model's half gradients."""

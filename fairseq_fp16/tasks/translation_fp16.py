@@ -21,7 +21,11 @@ What it adds to ``translation``:
   runs on native kernels, whose memory otherwise grows with every batch shape
   (:mod:`fairseq_fp16.core.cpu_kernel_cache`);
 * the diagnostics flags ``--scale-trace``, ``--precision-stats-interval`` and
-  ``--precision-stats`` (read by the mixed-precision optimizer);
+  ``--precision-stats`` (read by the mixed-precision optimizer), and
+  ``--precision-divergence-interval``/``--precision-divergence``: each module's
+  forward output in half against fp32 (:mod:`fairseq_fp16.core.divergence`),
+  measured here before the training step; the first training and generation steps
+  under fp32 accumulation log the half products left on native kernels;
 * ``fairseq-generate --bf16`` casts the models to bf16 (stock fairseq-generate
   only knows ``--fp16``);
 * resume reproducibility: fairseq(-fixed) 0.12.3 orders the examples under
@@ -34,7 +38,9 @@ What it adds to ``translation``:
 """
 
 
+import json
 import logging
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,6 +56,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
 from ..core.cpu_kernel_cache import cap_cpu_kernel_caches, check_capacity
+from ..core.divergence import forward_divergence, summarize_divergence
 from ..core.fp32_islands import apply_fp32_islands
 from ..core.half_matmul import (
     HALF_MATMUL_CHOICES,
@@ -127,9 +134,21 @@ class TranslationFP16Config(TranslationConfig):
         metadata={"help": "JSONL file for --precision-stats-interval "
                   "(default: SAVE_DIR/precision_stats.jsonl)"},
     )
+    precision_divergence_interval: int = field(
+        default=0,
+        metadata={"help": "every N updates (and before the first): each module's forward output "
+                  "in half precision against an fp32 copy holding the master weights, as a "
+                  "relative error, on the update's batch in eval mode (0 = off)"},
+    )
+    precision_divergence: Optional[str] = field(
+        default=None,
+        metadata={"help": "JSONL file for --precision-divergence-interval "
+                  "(default: SAVE_DIR/precision_divergence.jsonl)"},
+    )
     fp16: bool = II("common.fp16")
     bf16: bool = II("common.bf16")
     cpu: bool = II("common.cpu")
+    save_dir: str = II("checkpoint.save_dir")
 
 
 def validate_precision_flags(cfg) -> None:
@@ -158,11 +177,10 @@ def validate_precision_flags(cfg) -> None:
             raise ValueError(
                 f"--fp32-modules is not a valid regular expression: {cfg.fp32_modules!r} ({e})"
             ) from None
-    if cfg.precision_stats_interval is not None and int(cfg.precision_stats_interval) < 0:
-        raise ValueError(
-            "--precision-stats-interval must be >= 0 (0 = off), "
-            f"got {cfg.precision_stats_interval!r}"
-        )
+    for flag in ("precision_stats_interval", "precision_divergence_interval"):
+        value = getattr(cfg, flag, 0)
+        if value is not None and int(value) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (0 = off), got {value!r}")
     check_capacity(cfg.cpu_kernel_cache)
     if getattr(cfg, "bf16", False) and scale:
         logger.warning(
@@ -184,6 +202,7 @@ class TranslationFP16Task(TranslationTask):
         on_cpu = bool(getattr(cfg, "cpu", False)) or not torch.cuda.is_available()
         self.fp32_accumulate = on_cpu and resolve_half_matmul(str(cfg.half_matmul), dtype)
         self._checked_steps = set()  # steps whose native half products were counted
+        self._divergence_done = None  # the update whose forward divergence was measured
         if dtype is not None and on_cpu:
             logger.info(
                 "CPU %s matrix products: %s (--half-matmul %s)",
@@ -212,13 +231,46 @@ class TranslationFP16Task(TranslationTask):
         return self.half_dtype is not None
 
     # The CPU matmul mode is active exactly during these three steps.
-    def train_step(self, *args, **kwargs):
-        with half_matmul_context(self.fp32_accumulate), self._native_products_check("training step"):
-            return super().train_step(*args, **kwargs)
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        with half_matmul_context(self.fp32_accumulate):
+            if self._divergence_due(sample, optimizer, update_num, ignore_grad):
+                self._measure_divergence(sample, model, optimizer, update_num)
+            with self._native_products_check("training step"):
+                return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
 
     def valid_step(self, *args, **kwargs):
         with half_matmul_context(self.fp32_accumulate):
             return super().valid_step(*args, **kwargs)
+
+    def _divergence_due(self, sample, optimizer, update_num, ignore_grad) -> bool:
+        interval = int(self.cfg.precision_divergence_interval or 0)
+        if (not interval or update_num % interval or update_num == self._divergence_done
+                or ignore_grad or not sample or "net_input" not in sample
+                or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0)):
+            return False
+        if getattr(optimizer, "core", None) is None:  # no plugin masters to compare against
+            if self._divergence_done is None:
+                logger.warning("--precision-divergence-interval: this run has no fp32 master "
+                               "weights of the plugin's (an fp32 run, or an optimizer other than "
+                               "fp16_adam); nothing is measured")
+                self._divergence_done = -1
+            return False
+        return True
+
+    def _measure_divergence(self, sample, model, optimizer, update_num) -> None:
+        """The forward divergence of this update's batch (first micro-batch), logged and
+        appended to the JSONL file."""
+        self._divergence_done = update_num
+        errors = forward_divergence(model, optimizer.core.masters_by_param(), sample["net_input"])
+        path = self.cfg.precision_divergence or os.path.join(self.cfg.save_dir,
+                                                             "precision_divergence.jsonl")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        record = {"update": update_num, "dtype": str(self.half_dtype).replace("torch.", ""),
+                  "modules": errors}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.info("forward divergence @ update %d (relative to fp32): %s", update_num,
+                    summarize_divergence(errors))
 
     def inference_step(self, *args, **kwargs):
         with half_matmul_context(self.fp32_accumulate), self._native_products_check("generation step"):

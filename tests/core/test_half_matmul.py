@@ -165,6 +165,7 @@ def test_task_activates_the_mode_exactly_during_its_steps(monkeypatch):
         monkeypatch.setattr(TranslationTask, name, functools.partialmethod(step, _n=name))
     task = TranslationFP16Task.__new__(TranslationFP16Task)
     task.fp32_accumulate, task._checked_steps = True, set()
+    task.cfg = type("Cfg", (), {"precision_divergence_interval": 0})()
     for _ in range(2):
         task.train_step(None, None, None, None, 0)
         task.valid_step(None, None, None)
