@@ -9,7 +9,10 @@ the fraction of gradient elements that are zero or subnormal in half precision,
 the headroom before overflow, and the fraction of master-weight updates that
 half-precision weights would lose, at the last measured update
 (``precision_stats.png``), and their model-wide values over updates
-(``precision_stats_over_updates.png``).
+(``precision_stats_over_updates.png``). From ``--precision-divergence`` (one
+file or more, e.g. an fp16 and a bf16 run): each module's relative forward error
+against fp32, in forward order, one line per measured update
+(``precision_divergence.png``).
 """
 
 import argparse
@@ -101,14 +104,42 @@ def plot_stats(stats, out: Path, plt):
     return [p1, p2]
 
 
+def plot_divergence(runs, out: Path, plt) -> Path:
+    """runs: [(label, records)]; x: the modules in forward order (of the first record)."""
+    names = list(runs[0][1][0]["modules"])
+    fig, ax = plt.subplots(figsize=(max(8, 0.16 * len(names)), 5.5))
+    styles = ["-", "--", ":", "-."]
+    for k, (label, records) in enumerate(runs):
+        for i, rec in enumerate(records):
+            # an exact output (0: e.g. an embedding before the weights moved) has no place on a log axis
+            ys = [rec["modules"].get(n) or float("nan") for n in names]
+            ax.plot(range(len(names)), ys, styles[i % len(styles)], marker=".", color=f"C{k}",
+                    alpha=0.35 + 0.65 * (i + 1) / len(records),
+                    label=f"{label} ({rec['dtype']}) @ update {rec['update']}")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=90, fontsize=6)
+    ax.set_ylabel("||half - fp32|| / ||fp32||")
+    fig.suptitle("Forward divergence from fp32, module by module (eval mode, the update's batch)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=len(runs), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout()
+    path = out / "precision_divergence.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale-trace", type=Path)
     ap.add_argument("--precision-stats", type=Path)
+    ap.add_argument("--precision-divergence", type=Path, nargs="+", default=[],
+                    help="--precision-divergence files of one or more runs (labelled by file name)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
-    if not a.scale_trace and not a.precision_stats:
-        ap.error("give --scale-trace and/or --precision-stats")
+    if not a.scale_trace and not a.precision_stats and not a.precision_divergence:
+        ap.error("give --scale-trace, --precision-stats and/or --precision-divergence")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,6 +151,9 @@ def main(argv=None):
         written.append(plot_scale(read_jsonl(a.scale_trace), a.out, plt))
     if a.precision_stats:
         written += plot_stats(read_jsonl(a.precision_stats), a.out, plt)
+    if a.precision_divergence:
+        runs = [(p.stem, read_jsonl(p)) for p in a.precision_divergence]
+        written.append(plot_divergence(runs, a.out, plt))
     for p in written:
         print(p)
 
