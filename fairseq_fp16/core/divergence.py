@@ -67,10 +67,13 @@ def forward_divergence(model: torch.nn.Module, masters: Mapping[int, torch.Tenso
         output has the same shape in both passes and a non-zero fp32 norm; ``inf`` where the
         half output is not finite.
     """
+    for module in model.modules():  # tensors a module keeps from the last graph (weight_norm's
+        for key, value in list(vars(module).items()):  # weight) cannot be deep-copied; their
+            if torch.is_tensor(value) and value.grad_fn is not None:  # pre-hook remakes them
+                setattr(module, key, value.detach())
     ref = copy.deepcopy(model)
-    for module in ref.modules():  # the copy keeps no observers of the real model
-        module._forward_hooks.clear()
-        module._forward_pre_hooks.clear()
+    for module in ref.modules():  # the copy keeps no observers of the real model's outputs;
+        module._forward_hooks.clear()  # its pre-hooks (weight_norm's, which makes the weight) stay
     for p_ref, p in zip(ref.parameters(), model.parameters()):
         p_ref.data = masters.get(id(p), p).detach().float().clone()
         p_ref.grad = None

@@ -72,3 +72,15 @@ def test_master_weights_count_and_non_finite_outputs_are_inf():
     assert errors["inp"] == float("inf")
     assert summarize_divergence({"a": 1e-3, "b": 5e-3, "c": 2e-4, "d": 0.0}, top=2) == \
         "b 5.0e-03, a 1.0e-03 (of 4 modules)"
+
+
+def test_weight_norm_weights_come_from_the_masters():
+    # fairseq's fconv layers use weight_norm, whose forward pre-hook makes the weight from g and
+    # v: the fp32 copy keeps it, so a master g twice the half one doubles the reference output
+    lin = torch.nn.utils.weight_norm(torch.nn.Linear(16, 8)).half()
+    net = torch.nn.Sequential(lin)
+    masters = {id(p): p.detach().float() * (2 if name == "0.weight_g" else 1)
+               for name, p in net.named_parameters()}
+    masters[id(lin.bias)] = lin.bias.detach().float() * 2
+    errors = forward_divergence(net, masters, {"input": x_for(torch.float16)})
+    assert errors["0"] == pytest.approx(0.5, abs=2e-3)  # ||y - 2y|| / ||2y||
