@@ -1,5 +1,7 @@
 """Real fairseq-train runs on a tiny corpus: fp32, fp16, bf16, scaling, resume."""
 
+import json
+
 import pytest
 import torch
 
@@ -140,8 +142,13 @@ def test_lstm_and_fconv_models_train_and_generate_in_fp16(toy_data, tmp_path, ar
     steps find no product that escaped to a native half kernel."""
     model = OTHER_ARCHS[arch]
     _, ref = train(toy_data, tmp_path / "fp32", "--max-update", "30", "--no-save", model=model)
+    div = tmp_path / "divergence.jsonl"  # fconv's weight_norm modules survive the fp32 copy
     proc, half = train(toy_data, tmp_path / "fp16", "--fp16", "--half-matmul", "fp32-accumulate",
-                       "--max-update", "30", model=model)
+                       "--max-update", "30", "--precision-divergence-interval", "15",
+                       "--precision-divergence", div, model=model)
+    records = [json.loads(line) for line in div.read_text().splitlines()]
+    assert [r["update"] for r in records] == [0, 15]
+    assert all(0 < max(r["modules"].values()) < 0.01 for r in records)
     assert "--half-matmul: every half-precision matrix product of the first training step " \
            "accumulated in fp32" in proc.stdout + proc.stderr
     assert len(ref) == len(half) == 30
