@@ -54,7 +54,7 @@ def test_errors_are_the_half_rounding_and_the_model_is_left_as_it_was(dtype):
         got = half.eval()(x_for(dtype)).float()
     half.train()
     assert errors["out"] == pytest.approx(float((got - ref).norm() / ref.norm()), rel=1e-5)
-    eps = torch.finfo(dtype).eps  # fp16 2^-10, bf16 2^-7: the errors are a few units of it
+    eps = torch.finfo(dtype).eps  # fp16 2^-10, bf16 2^-7: the errors are fractions of it
     assert all(0.1 * eps < e < eps for e in errors.values()), errors  # measured: 0.28-0.50 eps
     assert errors["inp"] < errors["norm"] < errors["out"]  # the error grows through the layers
 
