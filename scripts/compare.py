@@ -56,7 +56,7 @@ DECODE_SETTINGS = ("gen_args", "gen_subset", "short_max_words")
 HALF_MATMUL_LOG = re.compile(r"CPU (?:fp16|bf16) matrix products: (.+?) \((--half-matmul \S+)\)")
 #: its check of the first training step under fp32 accumulation: products left on native kernels
 NATIVE_PRODUCTS_LOG = re.compile(r"--half-matmul: (?:(\d+) half-precision matrix products of the first "
-                                 r"training step ran on|(every) half-precision matrix product of the "
+                                 r"training step ran on|every half-precision matrix product of the "
                                  r"first training step accumulated)")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
 
