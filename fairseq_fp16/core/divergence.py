@@ -67,9 +67,11 @@ def forward_divergence(model: torch.nn.Module, masters: Mapping[int, torch.Tenso
         output has the same shape in both passes and a non-zero fp32 norm; ``inf`` where the
         half output is not finite.
     """
-    for module in model.modules():  # tensors a module keeps from the last graph (weight_norm's
-        for key, value in list(vars(module).items()):  # weight) cannot be deep-copied; their
-            if torch.is_tensor(value) and value.grad_fn is not None:  # pre-hook remakes them
+    # A tensor a module keeps from the last graph (weight_norm's weight) cannot be deep-copied;
+    # detached, it is the same values, and the module's pre-hook remakes it at the next forward.
+    for module in model.modules():
+        for key, value in list(vars(module).items()):
+            if torch.is_tensor(value) and value.grad_fn is not None:
                 setattr(module, key, value.detach())
     ref = copy.deepcopy(model)
     for module in ref.modules():  # the copy keeps no observers of the real model's outputs;

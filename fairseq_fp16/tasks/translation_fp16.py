@@ -242,6 +242,10 @@ class TranslationFP16Task(TranslationTask):
         with half_matmul_context(self.fp32_accumulate):
             return super().valid_step(*args, **kwargs)
 
+    def inference_step(self, *args, **kwargs):
+        with half_matmul_context(self.fp32_accumulate), self._native_products_check("generation step"):
+            return super().inference_step(*args, **kwargs)
+
     def _divergence_due(self, sample, optimizer, update_num, ignore_grad) -> bool:
         interval = int(self.cfg.precision_divergence_interval or 0)
         if (not interval or update_num % interval or update_num == self._divergence_done
@@ -271,10 +275,6 @@ class TranslationFP16Task(TranslationTask):
             f.write(json.dumps(record) + "\n")
         logger.info("forward divergence @ update %d (relative to fp32): %s", update_num,
                     summarize_divergence(errors))
-
-    def inference_step(self, *args, **kwargs):
-        with half_matmul_context(self.fp32_accumulate), self._native_products_check("generation step"):
-            return super().inference_step(*args, **kwargs)
 
     @contextmanager
     def _native_products_check(self, step: str):
