@@ -1,0 +1,129 @@
+"""Label-smoothed cross-entropy from half-precision logits, in fp32, without an fp32 copy.
+
+fairseq computes the loss of a half model in fp32 by taking ``log_softmax(logits,
+dtype=float32)``: an fp32 tensor of log-probabilities, twice the size of the half
+logits, is kept for the backward pass, and the backward pass makes more tensors of
+that size (the gradients of the gather and of the sum, then of the log-softmax)
+before the logits' gradient is rounded to half. With an 8k-32k vocabulary these
+are the largest tensors of a translation step. apex's ``xentropy`` extension
+(``SoftmaxCrossEntropyLoss``, half inputs, fp32 math) was NVIDIA's answer; this is
+the same idea in torch operations:
+
+* the forward pass works through the rows in chunks: each chunk is upcast to fp32,
+  its log-sum-exp, target log-probability and log-probability sum are taken, and
+  the chunk is dropped. It keeps the logits as they are (half) and one fp32 number
+  per row;
+* the backward pass recomputes each chunk's softmax in fp32 from the kept logits,
+  forms the gradient in closed form and rounds it to the logits' dtype once, as the
+  stock path does at its last cast.
+
+The numbers are fairseq's ``label_smoothed_nll_loss`` (``epsilon = 0``: the plain
+negative log-likelihood of ``cross_entropy``): the same fp32 arithmetic on the same
+upcast values, up to the order of fp32 additions.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["label_smoothed_nll_from_logits", "chunk_rows"]
+
+# fp32 elements upcast at a time: a chunk that stays in a CPU core's L2 cache; on a
+# GPU, chunks large enough that kernel launches do not dominate.
+CPU_CHUNK_ELEMENTS = 1 << 19
+CUDA_CHUNK_ELEMENTS = 1 << 24
+
+
+def chunk_rows(vocab_size: int, device: torch.device) -> int:
+    """Rows of logits upcast to fp32 at a time."""
+    elements = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CPU_CHUNK_ELEMENTS
+    return max(1, elements // max(1, vocab_size))
+
+
+class _LabelSmoothedNLLFromLogits(torch.autograd.Function):
+    """(loss, nll) summed over the rows not equal to ``ignore_index``, both fp32."""
+
+    @staticmethod
+    def forward(ctx, logits, target, epsilon, ignore_index, rows):
+        n, vocab = logits.shape
+        lse = logits.new_empty(n, dtype=torch.float32)
+        nll = logits.new_empty(n, dtype=torch.float32)
+        smooth = logits.new_empty(n, dtype=torch.float32)
+        for start in range(0, n, rows):
+            chunk = logits[start:start + rows]
+            x = chunk.float()
+            row_lse = torch.logsumexp(x, dim=-1)
+            # log-probabilities, as fairseq's loss sees them; in place unless x is the input
+            lprobs = x.sub_(row_lse[:, None]) if x is not chunk else x - row_lse[:, None]
+            lse[start:start + rows] = row_lse
+            nll[start:start + rows] = lprobs.gather(-1, target[start:start + rows, None]).squeeze(-1).neg_()
+            smooth[start:start + rows] = lprobs.sum(-1).neg_()
+        keep = target.ne(ignore_index) if ignore_index is not None else None
+        if keep is not None:
+            nll.masked_fill_(~keep, 0.0)
+            smooth.masked_fill_(~keep, 0.0)
+        nll_sum, smooth_sum = nll.sum(), smooth.sum()
+        eps_i = epsilon / (vocab - 1)
+        loss = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
+        ctx.save_for_backward(logits, target, lse, keep)
+        ctx.epsilon, ctx.rows = epsilon, rows
+        return loss, nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        logits, target, lse, keep = ctx.saved_tensors
+        n, vocab = logits.shape
+        eps_i = ctx.epsilon / (vocab - 1)
+        # d/dx of a row's (w_t * nll + w_s * smooth), with p = softmax(x):
+        #   w_t * (p - onehot(t)) + w_s * (vocab * p - 1)
+        w_t = grad_loss.float() * (1.0 - ctx.epsilon - eps_i) + grad_nll.float()
+        w_s = grad_loss.float() * eps_i
+        coef_p = w_t + w_s * vocab
+        grad = torch.empty_like(logits)
+        for start in range(0, n, ctx.rows):
+            chunk = logits[start:start + ctx.rows]
+            rows = chunk.size(0)
+            x = chunk.float()
+            shifted = x.sub_(lse[start:start + rows, None]) if x is not chunk else x - lse[start:start + rows, None]
+            g = shifted.exp_()
+            g.mul_(coef_p).sub_(w_s)
+            g.scatter_add_(-1, target[start:start + rows, None], (-w_t).expand(rows, 1))
+            if keep is not None:
+                g.mul_(keep[start:start + rows, None])
+            grad[start:start + rows] = g  # one rounding to the logits' dtype
+        return grad, None, None, None, None
+
+
+def label_smoothed_nll_from_logits(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    epsilon: float,
+    ignore_index: Optional[int] = None,
+    rows: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fairseq's ``label_smoothed_nll_loss(log_softmax(logits), ...)`` with ``reduce=True``.
+
+    Args:
+        logits: ``(N, V)``, any floating dtype (fp16/bf16 stay as they are).
+        target: ``(N,)`` class indices.
+        epsilon: label smoothing (0: the negative log-likelihood).
+        ignore_index: rows whose target equals it count for nothing (fairseq's padding).
+        rows: rows upcast to fp32 at a time (default: :func:`chunk_rows`).
+
+    Returns:
+        ``(loss, nll_loss)``, fp32 scalars summed over the rows; ``loss`` is
+        differentiable with respect to ``logits``, its gradient in ``logits.dtype``.
+
+    Raises:
+        ValueError: if the shapes do not fit or ``epsilon`` is outside [0, 1).
+    """
+    if logits.dim() != 2 or target.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be (N, V) and target (N,); got {tuple(logits.shape)} "
+                         f"and {tuple(target.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if not 0.0 <= epsilon < 1.0:
+        raise ValueError(f"label smoothing must be in [0, 1), got {epsilon}")
+    rows = rows or chunk_rows(logits.size(-1), logits.device)
+    return _LabelSmoothedNLLFromLogits.apply(logits.contiguous(), target.contiguous(),
+                                             float(epsilon), ignore_index, int(rows))
