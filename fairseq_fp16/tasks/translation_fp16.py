@@ -26,6 +26,9 @@ What it adds to ``translation``:
   forward output in half against fp32 (:mod:`fairseq_fp16.core.divergence`),
   measured here before the training step; the first training and generation steps
   under fp32 accumulation log the half products left on native kernels;
+* ``--fused-loss``: ``cross_entropy`` and ``label_smoothed_cross_entropy`` take
+  their fp32 loss from the half logits chunk by chunk instead of through an fp32
+  copy of the log-probabilities (:mod:`fairseq_fp16.fused_criterion`);
 * ``fairseq-generate --bf16`` casts the models to bf16 (stock fairseq-generate
   only knows ``--fp16``);
 * resume reproducibility: fairseq(-fixed) 0.12.3 orders the examples under
@@ -66,6 +69,7 @@ from ..core.half_matmul import (
 )
 from ..core.loss_scaler import parse_loss_scale
 from ..core.master_weights import tag_param_names
+from ..fused_criterion import FUSED_LOSS_CHOICES, fused_criterion_class
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +112,15 @@ class TranslationFP16Config(TranslationConfig):
             "multiplies in fp32 and rounds to half (a GPU tensor core's numerics, at fp32 "
             "speed); native uses torch's half kernels; auto picks fp32-accumulate when the "
             "CPU has no units for the dtype. CUDA is never affected"
+        },
+    )
+    fused_loss: ChoiceEnum(list(FUSED_LOSS_CHOICES)) = field(  # type: ignore[valid-type]
+        default="auto",
+        metadata={
+            "help": "cross_entropy and label_smoothed_cross_entropy computed from the logits "
+            "in fp32 chunks, keeping no fp32 log-probabilities for the backward pass (apex "
+            "xentropy's role): the same loss, a fraction of its memory. auto: on for --fp16/"
+            "--bf16, off for fp32 (fairseq's own loss)"
         },
     )
     cpu_kernel_cache: int = field(
@@ -339,6 +352,21 @@ class TranslationFP16Task(TranslationTask):
                     # Takes fairseq's attention path, with its fp32 softmax.
                     module._set_skip_embed_dim_check()
         return model
+
+    def build_criterion(self, cfg, from_checkpoint=False):
+        criterion = super().build_criterion(cfg, from_checkpoint)
+        mode = str(self.cfg.fused_loss)
+        if mode == "off" or (mode == "auto" and not self.half_precision):
+            return criterion
+        fused = fused_criterion_class(criterion)
+        if fused is None:
+            (logger.warning if mode == "on" else logger.info)(
+                "--fused-loss %s: the criterion %s has no fused loss (only cross_entropy and "
+                "label_smoothed_cross_entropy); its own is used", mode, type(criterion).__name__)
+            return criterion
+        logger.info("--fused-loss %s: %s computes its loss from the logits in fp32 chunks, "
+                    "keeping no fp32 log-probabilities", mode, getattr(cfg, "_name", type(criterion).__name__))
+        return fused.build_criterion(cfg, self)
 
     def build_generator(self, models, args, **kwargs):
         if getattr(self.cfg, "bf16", False):
