@@ -6,8 +6,9 @@
 Without DATA_BIN the synthetic corpus (scripts/make_toy_corpus.py) is built in a
 temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
 plugin, --half-matmul auto), their -native / -fp32acc variants, bf16-cache1024
-(--cpu-kernel-cache 1024: torch's default kernel-cache sizes), and fp16-stock
-(stock fairseq --fp16, no plugin; CUDA only). Peak memory: the CUDA allocator's
+(--cpu-kernel-cache 1024: torch's default kernel-cache sizes), fp16-unfused /
+bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss) and fp32-fused
+(--fused-loss on), and fp16-stock (stock fairseq --fp16, no plugin; CUDA only). Peak memory: the CUDA allocator's
 peak on --cuda, the process's peak RSS on the CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with
 --cuda) for --updates updates without validation or checkpoints; ms/update is
 the mean of fairseq's per-interval rate over the intervals after the first.
@@ -41,6 +42,10 @@ MODES = {
     "bf16-native": ["--bf16", "--half-matmul", "native"],
     "bf16-fp32acc": ["--bf16", "--half-matmul", "fp32-accumulate"],
     "bf16-cache1024": ["--bf16", "--cpu-kernel-cache", "1024"],  # torch's own cache sizes
+    # the loss: fairseq's log-softmax path for the half modes, the fused one for fp32
+    "fp16-unfused": ["--fp16", "--fused-loss", "off"],
+    "bf16-unfused": ["--bf16", "--fused-loss", "off"],
+    "fp32-fused": ["--fused-loss", "on"],
 }
 STOCK = {"fp16-stock"}
 ENV = {"tf32": {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}}

@@ -19,11 +19,12 @@ trap 'rm -rf "$data_dir"' EXIT
 
 if [ "$smoke" = 1 ]; then
   out=${1:-benchmarks/cpu-smoke}
-  params=1e6,1e7; device=cpu; train_flags=(); modes=fp32,fp16,bf16; updates=15; train_pairs=2000
+  params=1e6,1e7; device=cpu; train_flags=(); modes=fp32,fp16,bf16; updates=15; train_pairs=2000; vocab=40
   model="--arch transformer --encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 64 --decoder-embed-dim 64 --encoder-ffn-embed-dim 256 --decoder-ffn-embed-dim 256 --encoder-attention-heads 2 --decoder-attention-heads 2 --share-all-embeddings --max-tokens 1024"
 else
   out=${1:-benchmarks/gpu}
-  params=1e6,1e7,1e8; device=cuda; train_flags=(--cuda); modes=fp32,tf32,fp16,fp16-stock,bf16; updates=60; train_pairs=200000
+  params=1e6,1e7,1e8; device=cuda; train_flags=(--cuda); modes=fp32,tf32,fp16,fp16-unfused,fp16-stock,bf16; updates=60; train_pairs=200000
+  vocab=16000  # words a side: a joined dictionary of 32k, as WMT en-de's BPE (logits and loss at scale)
   # transformer-base shape (Vaswani et al.): 6+6 layers, d=512, ffn 2048, 8 heads
   model="--arch transformer --share-all-embeddings --max-tokens 8192 --dropout 0.1"
 fi
@@ -35,8 +36,8 @@ echo "=== optimizer step (params $params)"
 $py scripts/bench_optimizer.py --params "$params" --device "$device" | tee "$out/optimizer.txt"
 tail -n 1 "$out/optimizer.txt" > "$out/optimizer.json"
 
-echo "=== synthetic corpus ($train_pairs pairs)"
-$py scripts/make_toy_corpus.py "$data_dir" --train "$train_pairs" --valid 100 --test 100 >/dev/null
+echo "=== synthetic corpus ($train_pairs pairs, $vocab words a side)"
+$py scripts/make_toy_corpus.py "$data_dir" --train "$train_pairs" --valid 100 --test 100 --vocab "$vocab" >/dev/null
 
 echo "=== fairseq-train ($modes, $updates updates each)"
 $py scripts/bench_fairseq_train.py "$data_dir/bin" "${train_flags[@]}" --modes "$modes" \

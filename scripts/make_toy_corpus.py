@@ -4,7 +4,11 @@
 The "translation" is deterministic and learnable in a few hundred updates: each
 source word ``wN`` maps to the target word ``vN``, in the same order. Used by the tests and by ``make demo`` until a real corpus is set up.
 
-    python scripts/make_toy_corpus.py OUT_DIR [--train 2000 --valid 100 --test 100]
+    python scripts/make_toy_corpus.py OUT_DIR [--train 2000 --valid 100 --test 100] [--vocab 40]
+
+``--vocab N`` words a side (a joined dictionary of about 2N): the tests' 40 keep
+the model tiny; benchmarks use a translation-sized vocabulary, whose output layer
+and loss are a real run's largest tensors.
 
 Writes ``OUT_DIR/raw/{train,valid,test}.{src,tgt}`` and ``OUT_DIR/bin``.
 """
@@ -28,13 +32,14 @@ def make_pairs(n: int, rng: random.Random, vocab: int = 40, min_len: int = 3, ma
     return pairs
 
 
-def write_corpus(out: Path, train: int = 2000, valid: int = 100, test: int = 100, seed: int = 1) -> Path:
+def write_corpus(out: Path, train: int = 2000, valid: int = 100, test: int = 100, seed: int = 1,
+                 vocab: int = 40) -> Path:
     """Write the raw corpus and run fairseq-preprocess; returns the data-bin dir."""
     rng = random.Random(seed)
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", train), ("valid", valid), ("test", test)):
-        pairs = make_pairs(n, rng)
+        pairs = make_pairs(n, rng, vocab)
         (raw / f"{split}.src").write_text("".join(s + "\n" for s, _ in pairs))
         (raw / f"{split}.tgt").write_text("".join(t + "\n" for _, t in pairs))
     dest = out / "bin"
@@ -56,8 +61,11 @@ def main() -> None:
     ap.add_argument("--valid", type=int, default=100)
     ap.add_argument("--test", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=40, help="words a side")
     a = ap.parse_args()
-    print(write_corpus(a.out, a.train, a.valid, a.test, a.seed))
+    if a.vocab < 1:
+        ap.error(f"--vocab must be >= 1, got {a.vocab}")
+    print(write_corpus(a.out, a.train, a.valid, a.test, a.seed, a.vocab))
 
 
 if __name__ == "__main__":
