@@ -77,9 +77,12 @@ def test_core_imports_without_fairseq(tmp_path):
         sys.modules["fairseq"] = None  # any 'import fairseq' now fails
         import torch
         from fairseq_fp16.core import LossScaler, MixedPrecisionOptimizer, build_adam
+        from fairseq_fp16.core import label_smoothed_nll_from_logits
         s = LossScaler(8.0, scale_window=1)
         s.update(torch.tensor(0.0))
         assert s.loss_scale == 16.0
+        loss, nll = label_smoothed_nll_from_logits(torch.zeros(2, 4), torch.tensor([0, 1]), 0.0)
+        assert abs(loss.item() - 2 * 1.3862944) < 1e-6  # 2 rows of log(4)
         assert not any(m.startswith("fairseq.") for m in sys.modules)
         print("ok")
         """
