@@ -8,9 +8,10 @@ temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
 plugin, --half-matmul auto), their -native / -fp32acc variants, bf16-cache1024
 (--cpu-kernel-cache 1024: torch's default kernel-cache sizes), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss) and fp32-fused
-(--fused-loss on), and fp16-stock (stock fairseq --fp16, no plugin; CUDA only). Peak memory: the CUDA allocator's
-peak on --cuda, the process's peak RSS on the CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with
---cuda) for --updates updates without validation or checkpoints; ms/update is
+(--fused-loss on), and fp16-stock (stock fairseq --fp16, no plugin; CUDA only).
+Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
+CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for
+--updates updates without validation or checkpoints; ms/update is
 the mean of fairseq's per-interval rate over the intervals after the first.
 The modes run interleaved --repeats times; each reports its median. Prints a
 table and, as its last line, one JSON object.

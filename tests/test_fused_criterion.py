@@ -88,7 +88,8 @@ def test_fused_criterion_gives_fairseqs_loss_and_gradients(stock_cls, fused_cls,
     # the name a checkpoint records: resuming across --fused-loss settings is not refused
     assert fused_cls.__name__ == stock_cls.__name__
     if stock_cls is CrossEntropyCriterion:  # (loss, loss), as fairseq's
-        loss, nll = fused_cls(task, sentence_avg=False).compute_loss(model, model(**sample["net_input"]), sample)
+        fused = fused_cls(task, sentence_avg=False)
+        loss, nll = fused.compute_loss(model, model(**sample["net_input"]), sample)
         assert torch.equal(loss, nll) and torch.equal(loss, got[0])
     for g, r in zip(got[2], ref[2]):  # half gradients, fp32 math in a different order
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-3, atol=1e-4)

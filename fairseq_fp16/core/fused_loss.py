@@ -56,7 +56,8 @@ class _LabelSmoothedNLLFromLogits(torch.autograd.Function):
             # log-probabilities, as fairseq's loss sees them; in place unless x is the input
             lprobs = x.sub_(row_lse[:, None]) if x is not chunk else x - row_lse[:, None]
             lse[start:start + rows] = row_lse
-            nll[start:start + rows] = lprobs.gather(-1, target[start:start + rows, None]).squeeze(-1).neg_()
+            picked = lprobs.gather(-1, target[start:start + rows, None]).squeeze(-1)
+            nll[start:start + rows] = picked.neg_()
             smooth[start:start + rows] = lprobs.sum(-1).neg_()
         keep = target.ne(ignore_index) if ignore_index is not None else None
         if keep is not None:
@@ -83,9 +84,8 @@ class _LabelSmoothedNLLFromLogits(torch.autograd.Function):
         for start in range(0, n, ctx.rows):
             chunk = logits[start:start + ctx.rows]
             rows = chunk.size(0)
-            x = chunk.float()
-            shifted = x.sub_(lse[start:start + rows, None]) if x is not chunk else x - lse[start:start + rows, None]
-            g = shifted.exp_()
+            x, row_lse = chunk.float(), lse[start:start + rows, None]
+            g = (x.sub_(row_lse) if x is not chunk else x - row_lse).exp_()  # softmax, fp32
             g.mul_(coef_p).sub_(w_s)
             g.scatter_add_(-1, target[start:start + rows, None], (-w_t).expand(rows, 1))
             if keep is not None:
@@ -115,7 +115,7 @@ def label_smoothed_nll_from_logits(
         differentiable with respect to ``logits``, its gradient in ``logits.dtype``.
 
     Raises:
-        ValueError: if the shapes do not fit or ``epsilon`` is outside [0, 1).
+        ValueError: if the shapes or the dtype do not fit, or ``epsilon`` is outside [0, 1).
     """
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"logits must be (N, V) and target (N,); got {tuple(logits.shape)} "

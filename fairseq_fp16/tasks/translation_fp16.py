@@ -365,7 +365,8 @@ class TranslationFP16Task(TranslationTask):
                 "label_smoothed_cross_entropy); its own is used", mode, type(criterion).__name__)
             return criterion
         logger.info("--fused-loss %s: %s computes its loss from the logits in fp32 chunks, "
-                    "keeping no fp32 log-probabilities", mode, getattr(cfg, "_name", type(criterion).__name__))
+                    "keeping no fp32 log-probabilities", mode,
+                    getattr(cfg, "_name", None) or type(criterion).__name__)
         return fused.build_criterion(cfg, self)
 
     def build_generator(self, models, args, **kwargs):

@@ -113,7 +113,8 @@ def test_keeps_the_half_logits_not_fp32_log_probabilities():
 
 def test_bad_arguments_name_what_is_wrong():
     logits, target = inputs(torch.float16)
-    with pytest.raises(ValueError, match=r"logits must be \(N, V\) and target \(N,\); got \(96, 500\) and \(95,\)"):
+    shapes = r"logits must be \(N, V\) and target \(N,\); got \(96, 500\) and \(95,\)"
+    with pytest.raises(ValueError, match=shapes):
         label_smoothed_nll_from_logits(logits, target[1:], 0.1)
     with pytest.raises(ValueError, match=r"label smoothing must be in \[0, 1\), got 1.0"):
         label_smoothed_nll_from_logits(logits, target, 1.0)
