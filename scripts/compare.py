@@ -58,6 +58,8 @@ HALF_MATMUL_LOG = re.compile(r"CPU (?:fp16|bf16) matrix products: (.+?) \((--hal
 NATIVE_PRODUCTS_LOG = re.compile(r"--half-matmul: (?:(\d+) half-precision matrix products of the first "
                                  r"training step ran on|every half-precision matrix product of the "
                                  r"first training step accumulated)")
+#: translation_fp16's log line when the criterion takes the fused loss (--fused-loss)
+FUSED_LOSS_LOG = re.compile(r"--fused-loss (?:auto|on): \S+ computes its loss from the logits")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
 
 
@@ -247,6 +249,8 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
         # half products of the first training step that fp32 accumulation left on torch's native
         # kernels (the train log names them); None: not checked (fp32, native kernels, CUDA)
         "native_half_products": (int(native_products.group(1) or 0) if native_products else None),
+        # the loss came from the fused loss (--fused-loss), not fairseq's fp32 log-softmax
+        "fused_loss": bool(FUSED_LOSS_LOG.search(log_text)),
         "train": {
             "wall_s": round(t_stats["wall_s"], 2),
             "peak_rss_mb": round(t_stats["peak_rss_mb"], 1),

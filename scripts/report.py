@@ -292,6 +292,19 @@ def machine_lines(results) -> list:
     return lines
 
 
+def loss_line(results) -> list:
+    """The report's line on how each run computed its loss ([] when no run recorded it:
+    result.json has said since 2026-12-01)."""
+    kinds = {True: "fused fp32 loss from the logits (--fused-loss)",
+             False: "fairseq's loss (log-softmax in fp32)", None: "not recorded"}
+    groups = {}
+    for r in results:
+        groups.setdefault(r.get("fused_loss"), []).append(r["mode"])
+    if set(groups) == {None}:
+        return []
+    return ["Loss: " + "; ".join(f"{', '.join(modes)}: {kinds[k]}" for k, modes in groups.items()) + "."]
+
+
 def decoding_line(results, gen_args: str) -> str:
     """The report's line on the decoding flags; it names each run's flags when they differ
     (a ``compare.py --redecode`` that stopped part-way leaves runs decoded with other flags)."""
@@ -384,7 +397,7 @@ def main(argv=None) -> None:
     tab, mem_key = table(results, pvals)
     pngs = plots(a.out, results)
     g0 = results[0]["generate"]
-    where = machine_lines(results)
+    where = machine_lines(results) + loss_line(results)
     mem_note = ("CUDA allocator peak" if mem_key == "peak_cuda_mb"
                 else "process peak RSS (includes the Python interpreter and torch)")
     md = [

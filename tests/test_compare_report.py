@@ -74,6 +74,11 @@ def test_result_json_records_the_machine_and_the_matmul_path(compared):
     md = (out / "report.md").read_text()
     assert f"\n\nMachine (all runs): {m['cpu']} ({m['cpu_cores']} cores; torch kernels {m['cpu_capability']}; " in md
     assert f"\n\nCPU half-precision matrix products: fp16: {path} (--half-matmul auto){checked}.\n" in md
+    # the half run's loss is the fused one (--fused-loss auto), fp32's is fairseq's
+    r2 = json.loads((out / "fp32-seed2" / "result.json").read_text())
+    assert (r16["fused_loss"], r32["fused_loss"], r2["fused_loss"]) == (True, False, False)
+    assert ("\n\nLoss: fp32, fp32-seed2: fairseq's loss (log-softmax in fp32); fp16: fused fp32 loss from "
+            "the logits (--fused-loss).\n") in md
 
 
 def test_report_warns_when_runs_ran_on_different_machines():
@@ -222,10 +227,10 @@ def test_report_table_and_plots(compared):
     out, stdout = compared
     md = (out / "report.md").read_text()
     lines = md.splitlines()
-    # the data line, the machine and matmul-path lines, then the table
-    assert [l.split(":")[0] for l in lines[2:7:2]] == [
-        "Data", "Machine (all runs)", "CPU half-precision matrix products"]
-    header = lines[8]
+    # the data line, the machine, matmul-path and loss lines, then the table
+    assert [l.split(":")[0] for l in lines[2:9:2]] == [
+        "Data", "Machine (all runs)", "CPU half-precision matrix products", "Loss"]
+    header = lines[10]
     for col in ("mode", "updates/s", "x fp32", "peak mem MB", "skipped", "final scale", "BLEU",
                 "p (vs fp32)", "chrF"):
         assert f" {col} " in header
