@@ -2,11 +2,12 @@
 
 ``--task translation_fp16`` builds these two criteria (exactly these classes, not
 subclasses) as the subclasses below when the fused loss is on (``--fused-loss``).
-The only method they replace is ``compute_loss``, and only where fairseq's would
-compute ``log_softmax(net_output[0], dtype=float32)``: the model's and its
+They replace ``compute_loss`` (and label smoothing's ``compute_accuracy``, for
+``--report-accuracy``), and only where fairseq's would compute
+``log_softmax(net_output[0], dtype=float32)``: the model's and its
 decoder's ``get_normalized_probs`` are fairseq's own and there is no adaptive
 softmax. Anything else (another model's normalisation, ``reduce=False``) goes to
-fairseq's ``compute_loss`` unchanged, with one warning. The loss itself is
+fairseq's methods unchanged, with one warning. The loss itself is
 :func:`fairseq_fp16.core.fused_loss.label_smoothed_nll_from_logits`.
 
 The subclasses carry their parent's class name: fairseq writes
@@ -85,6 +86,21 @@ class _FusedLoss:
 
 class FusedLabelSmoothedCrossEntropyCriterion(_FusedLoss, LabelSmoothedCrossEntropyCriterion):
     """``label_smoothed_cross_entropy`` whose loss is computed by the fused loss."""
+
+    def compute_accuracy(self, model, net_output, sample):
+        """``--report-accuracy`` from the logits: the log-softmax keeps each row's
+        order, so its argmax is the logits' (fairseq's takes an fp32 log-softmax of
+        the whole output first, a copy twice the half logits' size)."""
+        if not plain_log_softmax(model):
+            return super().compute_accuracy(model, net_output, sample)
+        logits = net_output[0]
+        target = model.get_targets(sample, net_output)
+        if self.ignore_prefix_size > 0:
+            logits, target = logits[:, self.ignore_prefix_size:, :], target[:, self.ignore_prefix_size:]
+        with torch.no_grad():
+            mask = target.ne(self.padding_idx)
+            n_correct = (logits.argmax(-1).eq(target) & mask).sum()
+            return n_correct, mask.sum()
 
 
 class FusedCrossEntropyCriterion(_FusedLoss, CrossEntropyCriterion):

@@ -95,6 +95,29 @@ def test_fused_criterion_gives_fairseqs_loss_and_gradients(stock_cls, fused_cls,
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_report_accuracy_counts_fairseqs_correct_tokens_without_log_probabilities(dtype, monkeypatch):
+    model, sample, task = model_and_sample(dtype=dtype)
+    kw = dict(sentence_avg=False, label_smoothing=0.1, ignore_prefix_size=1, report_accuracy=True)
+    net_output = model(**sample["net_input"])
+    target = sample["target"][:, 1:]
+    # make some predictions right: the argmax of a few rows is their target
+    with torch.no_grad():
+        rows = torch.arange(0, 6)
+        net_output[0][rows, 3, target[rows, 2]] = net_output[0][rows, 3].max() + 1
+    ref = LabelSmoothedCrossEntropyCriterion(task, **kw).compute_accuracy(model, net_output, sample)
+    monkeypatch.setattr(type(model), "get_normalized_probs",
+                        lambda *a, **k: pytest.fail("fp32 log-probabilities were computed"))
+    monkeypatch.setattr(fused_criterion, "plain_log_softmax", lambda m: True)
+    got = FusedLabelSmoothedCrossEntropyCriterion(task, **kw).compute_accuracy(model, net_output, sample)
+    assert ref[1] == got[1] == int(target.ne(task.target_dictionary.pad()).sum()) == 45
+    assert ref[0] == got[0] and 6 <= int(got[0]) < 45
+    # a model with its own normalisation is counted by fairseq's method
+    monkeypatch.setattr(fused_criterion, "plain_log_softmax", lambda m: False)
+    with pytest.raises(pytest.fail.Exception, match="fp32 log-probabilities were computed"):
+        FusedLabelSmoothedCrossEntropyCriterion(task, **kw).compute_accuracy(model, net_output, sample)
+
+
 def test_own_normalisation_and_per_token_losses_use_fairseqs_loss(caplog, monkeypatch):
     monkeypatch.setattr(fused_criterion._FusedLoss, "_warned", False)
     model, sample, task = model_and_sample(TemperatureModel)
