@@ -73,15 +73,20 @@ class _FusedLoss:
                     f"{type(model).__name__} does not normalise with fairseq's plain "
                     "log-softmax (an adaptive softmax or its own get_normalized_probs)")
             return super().compute_loss(model, net_output, sample, reduce=reduce)
-        logits = net_output[0]
-        target = model.get_targets(sample, net_output)
-        prefix = getattr(self, "ignore_prefix_size", 0)
-        if prefix > 0:
-            logits, target = logits[:, prefix:, :], target[:, prefix:]
+        logits, target = self._logits_and_target(model, net_output, sample)
         loss, nll_loss = label_smoothed_nll_from_logits(
             logits.reshape(-1, logits.size(-1)), target.reshape(-1),
             float(getattr(self, "eps", 0.0)), ignore_index=self.padding_idx)
         return loss, nll_loss
+
+    def _logits_and_target(self, model, net_output, sample):
+        """The logits and targets that fairseq's ``get_lprobs_and_target`` pairs
+        (``--ignore-prefix-size`` positions dropped), the logits not normalised."""
+        logits, target = net_output[0], model.get_targets(sample, net_output)
+        prefix = getattr(self, "ignore_prefix_size", 0)  # cross_entropy has none
+        if prefix > 0:
+            logits, target = logits[:, prefix:, :], target[:, prefix:]
+        return logits, target
 
 
 class FusedLabelSmoothedCrossEntropyCriterion(_FusedLoss, LabelSmoothedCrossEntropyCriterion):
@@ -93,10 +98,7 @@ class FusedLabelSmoothedCrossEntropyCriterion(_FusedLoss, LabelSmoothedCrossEntr
         the whole output first, a copy twice the half logits' size)."""
         if not plain_log_softmax(model):
             return super().compute_accuracy(model, net_output, sample)
-        logits = net_output[0]
-        target = model.get_targets(sample, net_output)
-        if self.ignore_prefix_size > 0:
-            logits, target = logits[:, self.ignore_prefix_size:, :], target[:, self.ignore_prefix_size:]
+        logits, target = self._logits_and_target(model, net_output, sample)
         with torch.no_grad():
             mask = target.ne(self.padding_idx)
             n_correct = (logits.argmax(-1).eq(target) & mask).sum()
