@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--data-dir", type=Path, default=ROOT / "data" / "debian-ende",
                     help="where the Debian corpus is built and cached")
     ap.add_argument("--max-update", type=int, default=None,
-                    help=f"updates per run (default: {DEBIAN_UPDATES} on Debian, 6-10 minutes of fp32 "
+                    help=f"updates per run (default: {DEBIAN_UPDATES} on Debian, 6-11 minutes of fp32 "
                     "on a 2-core CPU; 400 on the toy corpus)")
     ap.add_argument("--lr-schedule", choices=sorted(DEBIAN_SCHEDULES), default="floor",
                     help="Debian corpus: floor (default: 2e-3 after 100 warm-up updates, down to 1e-3 "
