@@ -37,7 +37,8 @@ DEBIAN_MODEL = (
     "--encoder-attention-heads 4 --decoder-attention-heads 4 --share-all-embeddings "
     "--encoder-normalize-before --decoder-normalize-before"
 )
-DEBIAN_OPTIM = "--adam-betas (0.9,0.98) --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 1024"
+DEBIAN_ADAM = "--adam-betas (0.9,0.98)"
+DEBIAN_LOSS_BATCH = "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 1024"
 #: Learning-rate schedules (--lr-schedule). ``floor``, the demo's since 2026-12-02: warm-up to
 #: 2e-3 over 100 updates, linear decay to 1e-3 at update 400, then 1e-3 to the end (fairseq's
 #: polynomial_decay holds --end-learning-rate after --total-num-update); in the probes of
@@ -83,8 +84,7 @@ def debian_args(updates: int, dropout: float, beam: int = 1, lenpen: float = 1.0
     stay those of the committed report (a --keep-existing rerun finds them unchanged).
     """
     every = max(200, updates // 8)
-    adam, rest = DEBIAN_OPTIM.split(" --criterion ")  # the flags' order of the committed reports
-    train_args = (f"{DEBIAN_MODEL} --dropout {dropout} {adam} {DEBIAN_SCHEDULES[schedule]} --criterion {rest} "
+    train_args = (f"{DEBIAN_MODEL} --dropout {dropout} {DEBIAN_ADAM} {DEBIAN_SCHEDULES[schedule]} {DEBIAN_LOSS_BATCH} "
                   f"--max-update {updates} --cpu "
                   f"--log-interval 25 --validate-interval-updates {every} --save-interval-updates {every} "
                   "--keep-interval-updates 1 --no-epoch-checkpoints --num-workers 0")
