@@ -128,8 +128,20 @@ def train(data, save_dir, *extra, user_dir=True, model=TINY_MODEL, check=True):
     args = [data, *model, *common, "--save-dir", save_dir, *extra]
     if user_dir:
         args += ["--user-dir", USER_DIR]
-    proc = run_cli("fairseq-train", args, check=check)
+    proc = run_cli("fairseq-train", args, check=check and user_dir)
+    if check and not user_dir and proc.returncode != 0 and not stock_abort_at_exit(proc):
+        raise AssertionError(f"fairseq-train (stock) failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return proc, parse_json_records(proc.stdout + proc.stderr)["train_inner"]
+
+
+def stock_abort_at_exit(proc) -> bool:
+    """Stock fairseq's abort after its work is done (a prefetch thread ended inside torch at exit;
+    fairseq_fp16/clean_exit.py, tests/test_clean_exit.py): the run finished and saved, then the
+    process got SIGABRT. It strikes now and then; a test that only needs a stock checkpoint
+    accepts it (the plugin's runs never do)."""
+    return (proc.returncode == -6 and "done training" in proc.stdout + proc.stderr
+            and "terminate called without an active exception" in proc.stderr)
 
 
 def pytest_terminal_summary(terminalreporter):

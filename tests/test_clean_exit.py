@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, TINY_MODEL, TRAIN, USER_DIR
+from conftest import ROOT, TINY_MODEL, TRAIN, USER_DIR, stock_abort_at_exit
 from fairseq.data import iterators
 
 from fairseq_fp16 import clean_exit
@@ -39,6 +39,16 @@ def test_stock_fairseq_aborts_there(toy_data, tmp_path):
     assert "done training" in proc.stdout + proc.stderr
     assert proc.returncode == -6, proc.stderr[-2000:]
     assert "terminate called without an active exception" in proc.stderr
+    assert stock_abort_at_exit(proc)  # what the tests needing only a stock checkpoint accept
+
+
+def test_only_the_abort_after_done_training_is_accepted_from_stock_fairseq():
+    done = "| INFO | fairseq_cli.train | done training in 0.4 seconds\n"
+    abort = "terminate called without an active exception\nFatal Python error: Aborted\n"
+    assert stock_abort_at_exit(subprocess.CompletedProcess([], -6, done, abort))
+    assert not stock_abort_at_exit(subprocess.CompletedProcess([], -6, "", abort))  # before the end
+    assert not stock_abort_at_exit(subprocess.CompletedProcess([], 1, done, abort))
+    assert not stock_abort_at_exit(subprocess.CompletedProcess([], -6, done, "Fatal Python error: Aborted\n"))
 
 
 def test_consumer_hands_over_every_batch_then_the_end():
