@@ -49,6 +49,7 @@ DEBIAN_SCHEDULES = {
               "--end-learning-rate 1e-3 --power 1"),
     "inverse-sqrt": "--lr 2e-3 --lr-scheduler inverse_sqrt --warmup-updates 100",
 }
+DEBIAN_SCHEDULE = "floor"  # the demo's
 DEBIAN_UPDATES = 1600
 DEBIAN_GEN = "--beam 1 --max-len-a 1.2 --max-len-b 10 --post-process sentencepiece --max-tokens 8000"
 DEBIAN_MAX_TRAIN_TOKENS = 40
@@ -77,7 +78,7 @@ def prepare_debian(data_dir: Path, max_train_tokens: int = DEBIAN_MAX_TRAIN_TOKE
 
 
 def debian_args(updates: int, dropout: float, beam: int = 1, lenpen: float = 1.0,
-                schedule: str = "floor"):
+                schedule: str = DEBIAN_SCHEDULE):
     """compare.py's --train-args and --gen-args of the Debian recipe.
 
     --lenpen is only written when it is not fairseq's default 1.0, so the default demo's flags
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("--max-update", type=int, default=None,
                     help=f"updates per run (default: {DEBIAN_UPDATES} on Debian, 6-11 minutes of fp32 "
                     "on a 2-core CPU; 400 on the toy corpus)")
-    ap.add_argument("--lr-schedule", choices=sorted(DEBIAN_SCHEDULES), default="floor",
+    ap.add_argument("--lr-schedule", choices=sorted(DEBIAN_SCHEDULES), default=DEBIAN_SCHEDULE,
                     help="Debian corpus: floor (default: 2e-3 after 100 warm-up updates, down to 1e-3 "
                     "at update 400, then constant) or inverse-sqrt (the earlier demo's and the longer "
                     "recipe's: 2e-3 after 100 warm-up updates, then 2e-3 * sqrt(100 / update))")
