@@ -9,7 +9,8 @@ still becomes ``inf``, as on the GPU. Other ops (softmax, layer norm,
 elementwise) run in their own precision, as they would on the GPU.
 
 * :class:`Fp32AccumulateMatmul` works below autograd (a ``TorchDispatchMode``):
-  it sees every ``mm``/``addmm``/``bmm``/``baddbmm``, convolution and CPU
+  it sees every ``mm``/``addmm``/``bmm``/``baddbmm``/``addbmm``, ``mv``/``addmv``,
+  ``dot``/``vdot``, convolution and CPU
   scaled-dot-product attention, forward and backward, whatever Python code
   issued them; but it
   costs a Python call for every aten op of the step (about 1,000 for a 2+2-layer
@@ -80,6 +81,12 @@ COVERED_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten.baddbmm.default,
+    _aten.addbmm.default,
+    # matrix-vector and vector-vector products (matmul with a 1-d operand reaches these)
+    _aten.mv.default,
+    _aten.addmv.default,
+    _aten.dot.default,
+    _aten.vdot.default,
     # convolutions: F.conv1d/2d/3d and the transposed ones reach aten.convolution
     # (fairseq's ConvTBC calls conv_tbc, whose backward aten decomposes into in-place
     # products below autograd: the function mode routes it through _Fp32ConvTBC instead)
@@ -455,6 +462,10 @@ def _routed_functions():
         (torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"),
         (torch.Tensor, "__rmatmul__"), (torch, "mm"), (torch.Tensor, "mm"), (torch, "addmm"),
         (torch.Tensor, "addmm"), (torch, "baddbmm"), (torch.Tensor, "baddbmm"), (torch, "addbmm"),
+        (torch.Tensor, "addbmm"), (torch, "mv"), (torch.Tensor, "mv"), (torch, "addmv"),
+        (torch.Tensor, "addmv"), (torch, "dot"), (torch.Tensor, "dot"), (torch, "vdot"),
+        (torch.Tensor, "vdot"), (torch, "inner"), (torch.Tensor, "inner"),
+        (torch.linalg, "multi_dot"), (torch.linalg, "matmul"), (torch, "chain_matmul"),
         (torch, "einsum"), (torch, "tensordot"),
         # nn.RNNCell: products rounded to half, the rest in half, as on a GPU (no fused cell there)
         (torch, "rnn_tanh_cell"), (torch, "rnn_relu_cell"),
