@@ -1,8 +1,8 @@
 """Where half precision changes the forward pass: each module's output against fp32's.
 
-:func:`forward_divergence` runs one batch through the half model and through an
-fp32 copy of it that holds the fp32 master weights (the values the half weights
-round), both in eval mode (no dropout), and returns each module's relative error
+:func:`forward_divergence` runs one batch through the half model and through the
+same model turned fp32 in place for one pass, holding the fp32 master weights (the
+values the half weights round), both in eval mode (no dropout), and returns each module's relative error
 ``||half - fp32|| / ||fp32||`` on its (first tensor) output. A module's error
 includes what its inputs carried in; how it grows from one layer to the next
 shows where precision is lost, and which modules ``--fp32-modules`` would help.
@@ -11,7 +11,7 @@ shows where precision is lost, and which modules ``--fp32-modules`` would help.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 from typing import Dict, Mapping, Optional
 
 import torch
@@ -51,13 +51,72 @@ def _record_outputs(model: torch.nn.Module, store: Dict[str, torch.Tensor]):
     return handles
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside torch's and fairseq's data-parallel wrappers (``DataParallel``,
+    ``DistributedDataParallel``, fairseq's legacy one and its ``ModuleProxyWrapper``): its
+    forward, called on one rank alone, issues no collective."""
+    while (type(model).__name__.endswith("DataParallel") or type(model).__name__ == "ModuleProxyWrapper") \
+            and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def _as_fp32(model: torch.nn.Module, masters: Mapping[int, torch.Tensor]):
+    """Within the block, ``model`` is its fp32 twin, in place: each half parameter holds its
+    fp32 master (the same storage, read only), half buffers are upcast, fp32 islands return
+    fp32, forward hooks are off (the twin's pass is no one's business); forward pre-hooks
+    stay (weight_norm's makes the weight from g and v). On exit every parameter, buffer,
+    hook, island and plain tensor attribute (caches a forward sets, weight_norm's weight)
+    is what it was."""
+    params, buffers, hooks, attrs, islands = [], [], [], [], []
+    try:
+        for module in model.modules():
+            attrs.append((module, {k: v for k, v in vars(module).items() if torch.is_tensor(v)}))
+            if getattr(module, "_island_model_dtype", None) is not None:
+                # an fp32 island returns the model's dtype when no input is half: fp32 here
+                islands.append((module, module._island_model_dtype))
+                module._island_model_dtype = None
+            for name in ("_forward_hooks", "_forward_hooks_with_kwargs"):
+                if getattr(module, name, None):
+                    hooks.append((module, name, getattr(module, name)))
+                    setattr(module, name, type(getattr(module, name))())
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.dtype in _HALF:
+                    buffers.append((module, name, buf))
+                    module._buffers[name] = buf.float()
+            for p in module.parameters(recurse=False):
+                if p.dtype in _HALF:
+                    params.append((p, p.data))
+                    p.data = masters.get(id(p), p).detach().float()
+        yield model
+    finally:
+        for p, data in params:
+            p.data = data
+        for module, name, buf in buffers:
+            module._buffers[name] = buf
+        for module, name, table in hooks:
+            setattr(module, name, table)
+        for module, dtype in islands:
+            module._island_model_dtype = dtype
+        for module, saved in attrs:
+            for key in [k for k, v in vars(module).items() if torch.is_tensor(v) and k not in saved]:
+                delattr(module, key)
+            for key, value in saved.items():
+                setattr(module, key, value)
+
+
 @torch.no_grad()
 def forward_divergence(model: torch.nn.Module, masters: Mapping[int, torch.Tensor],
                        net_input: Mapping) -> Dict[str, float]:
     """Relative error of each module's output in ``model`` (half) against fp32.
 
+    The fp32 pass runs on the model itself, its half parameters holding their masters for
+    the pass (no copy of the model is made); afterwards the model is as it was.
+
     Args:
-        model: the half-precision model (left as it was: mode, weights, hooks).
+        model: the half-precision model (left as it was: mode, weights, hooks), or a
+            data-parallel wrapper of it (the wrapped model runs, on this rank alone).
         masters: ``id(parameter) -> fp32 master`` for the model's half parameters; a
             parameter without one (an fp32 island's) is used as it is.
         net_input: the batch's ``net_input`` (``model(**net_input)``).
@@ -67,31 +126,24 @@ def forward_divergence(model: torch.nn.Module, masters: Mapping[int, torch.Tenso
         output has the same shape in both passes and a non-zero fp32 norm; ``inf`` where the
         half output is not finite.
     """
-    # A tensor a module keeps from the last graph (weight_norm's weight) cannot be deep-copied;
-    # detached, it is the same values, and the module's pre-hook remakes it at the next forward.
-    for module in model.modules():
-        for key, value in list(vars(module).items()):
-            if torch.is_tensor(value) and value.grad_fn is not None:
-                setattr(module, key, value.detach())
-    ref = copy.deepcopy(model)
-    for module in ref.modules():  # the copy keeps no observers of the real model's outputs;
-        module._forward_hooks.clear()  # its pre-hooks (weight_norm's, which makes the weight) stay
-    for p_ref, p in zip(ref.parameters(), model.parameters()):
-        p_ref.data = masters.get(id(p), p).detach().float().clone()
-        p_ref.grad = None
-    ref.float()
+    model = _unwrapped(model)
     half_out: Dict[str, torch.Tensor] = {}
     ref_out: Dict[str, torch.Tensor] = {}
     training = model.training
     model.eval()
-    ref.eval()
     try:
+        handles = _record_outputs(model, half_out)
+        try:
+            model(**net_input)
+        finally:
+            for h in handles:
+                h.remove()
         ref_input = {k: v.float() if torch.is_tensor(v) and v.dtype in _HALF else v
                      for k, v in net_input.items()}  # token ids pass as they are
-        for net, store, inp in ((model, half_out, net_input), (ref, ref_out, ref_input)):
-            handles = _record_outputs(net, store)
+        with _as_fp32(model, masters):
+            handles = _record_outputs(model, ref_out)
             try:
-                net(**inp)
+                model(**ref_input)
             finally:
                 for h in handles:
                     h.remove()

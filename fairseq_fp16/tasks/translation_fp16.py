@@ -150,7 +150,7 @@ class TranslationFP16Config(TranslationConfig):
     precision_divergence_interval: int = field(
         default=0,
         metadata={"help": "every N updates (and before the first): each module's forward output "
-                  "in half precision against an fp32 copy holding the master weights, as a "
+                  "in half precision against the same model holding the fp32 master weights, as a "
                   "relative error, on the update's batch in eval mode (0 = off)"},
     )
     precision_divergence: Optional[str] = field(

@@ -1,6 +1,7 @@
 """forward_divergence: each module's half-precision output against fp32's, the model untouched."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -84,3 +85,59 @@ def test_weight_norm_weights_come_from_the_masters():
     masters[id(lin.bias)] = lin.bias.detach().float() * 2
     errors = forward_divergence(net, masters, {"input": x_for(torch.float16)})
     assert errors["0"] == pytest.approx(0.5, abs=2e-3)  # ||y - 2y|| / ||2y||
+
+
+class Cached(torch.nn.Module):
+    """A layer like fairseq's: a half buffer used in forward, a tensor cache set by forward in
+    its input's dtype (as TransformerDecoder's _future_mask), and a lock (the model cannot be
+    deep-copied, as a model holding a process group or a file handle cannot)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("scale", torch.full((16,), 0.5))
+        self.lock = None
+
+    def forward(self, x):
+        self._cache = torch.ones(1, dtype=x.dtype)
+        return self.lin(x) * self.scale * self._cache
+
+
+def test_the_fp32_pass_runs_in_place_and_leaves_parameters_buffers_and_caches_as_they_were():
+    torch.manual_seed(0)
+    fp32 = torch.nn.Sequential(Cached())
+    half = copy.deepcopy(fp32).half()
+    fp32[0].lock = half[0].lock = threading.Lock()
+    params = {name: (p, p.data_ptr()) for name, p in half.named_parameters()}
+    buf = half[0].scale
+    x = x_for(torch.float16)
+    masters = {id(p): m.detach() for p, m in zip(half.parameters(), fp32.parameters())}
+    errors = forward_divergence(half, masters, {"input": x})
+    # the same parameter objects, storage and dtype; the same buffer; the cache left in half
+    # (the fp32 pass set it in fp32)
+    assert {name: (p, p.data_ptr()) for name, p in half.named_parameters()} == params
+    assert all(p.dtype == torch.float16 for p in half.parameters())
+    assert half[0].scale is buf and buf.dtype == torch.float16
+    assert half[0]._cache.dtype == torch.float16
+    # the reference is the fp32 model (its weights the masters, its buffer fp32): the errors
+    # are those measured by hand
+    with torch.no_grad():
+        by_hand = {"0.lin": (half[0].lin(x), fp32[0].lin(x.float())), "0": (half(x), fp32(x.float()))}
+    assert list(errors) == ["0.lin", "0"]
+    for name, (got, ref) in by_hand.items():
+        assert errors[name] == pytest.approx(float((got.float() - ref).norm() / ref.norm()), rel=1e-5)
+        assert 0 < errors[name] < torch.finfo(torch.float16).eps
+
+
+def test_a_data_parallel_wrapper_measures_the_wrapped_model_on_this_rank_alone(tmp_path):
+    fp32, half, masters = half_model(torch.float16)
+    plain = forward_divergence(half, masters, {"x": x_for(torch.float16)})
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(half)
+        errors = forward_divergence(wrapped, masters, {"x": x_for(torch.float16)})
+    finally:
+        torch.distributed.destroy_process_group()
+    assert errors == plain  # the wrapped model's names ("inp", not "module.inp"), same numbers
+    assert list(errors) == ["inp", "norm", "out"]
