@@ -88,3 +88,23 @@ def test_checkpoint_with_code_payload_is_refused_without_running_it(toy_data, fp
                      r"posix\.system, outside the allow-list of fairseq checkpoints \(argparse\.Namespace\); "
                      r"weights-only loading stopped before running anything", proc.stderr), proc.stderr[-1500:]
     assert not marker.exists() and not hyps
+
+
+def repeats_a_token(hyp):
+    words = hyp.split()
+    return len(set(words)) < len(words)
+
+
+def test_no_repeat_ngram_size_blocks_repeats_on_the_cpu(toy_data, fp16_checkpoint):
+    """Stock fairseq 0.12 off CUDA blocks no repeat (its fallback reads the buffer's padding; fairseq
+    issue #5206): with --task translation its hypotheses are those without the flag. The plugin's
+    task blocks them (toy references repeat a word in most sentences, so the model's outputs do too)."""
+    _, plain, _ = generate(toy_data, fp16_checkpoint)
+    proc_stock, stock, _ = generate(toy_data, fp16_checkpoint, "--no-repeat-ngram-size", "1", task="translation")
+    proc, blocked, _ = generate(toy_data, fp16_checkpoint, "--no-repeat-ngram-size", "1")
+    assert proc_stock.returncode == 0 and proc.returncode == 0, proc.stderr[-2000:]
+    assert sum(map(repeats_a_token, plain.values())) >= 30
+    assert stock == plain
+    assert len(blocked) == 100 and not any(map(repeats_a_token, blocked.values()))
+    assert ("--no-repeat-ngram-size 1: repeats blocked by the plugin's NGramBlock (fairseq's fallback "
+            "off its CUDA kernel blocks none)") in proc.stdout + proc.stderr

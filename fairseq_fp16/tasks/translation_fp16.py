@@ -31,6 +31,9 @@ What it adds to ``translation``:
   copy of the log-probabilities (:mod:`fairseq_fp16.fused_criterion`);
 * ``fairseq-generate --bf16`` casts the models to bf16 (stock fairseq-generate
   only knows ``--fp16``);
+* ``--no-repeat-ngram-size`` off CUDA: fairseq's fallback for its CUDA kernel
+  blocks nothing; the generator gets :class:`~fairseq_fp16.core.ngram_block.NGramBlock`
+  instead, which blocks every repeated n-gram;
 * resume reproducibility: fairseq(-fixed) 0.12.3 orders the examples under
   ``numpy_seed(seed + epoch)`` with the epoch in which the batch iterator is
   *created*, and reuses those batches for every later epoch. An uninterrupted
@@ -69,6 +72,7 @@ from ..core.half_matmul import (
 )
 from ..core.loss_scaler import parse_loss_scale
 from ..core.master_weights import tag_param_names
+from ..core.ngram_block import NGramBlock
 from ..fused_criterion import FUSED_LOSS_CHOICES, fused_criterion_class
 
 logger = logging.getLogger(__name__)
@@ -373,4 +377,12 @@ class TranslationFP16Task(TranslationTask):
         if getattr(self.cfg, "bf16", False):
             for model in models:
                 model.to(torch.bfloat16)  # fp32 islands stay fp32
-        return super().build_generator(models, args, **kwargs)
+        generator = super().build_generator(models, args, **kwargs)
+        blocker = getattr(generator, "repeat_ngram_blocker", None)
+        if blocker is not None and not getattr(blocker, "use_extension", True):
+            # fairseq's fallback off its CUDA kernel blocks nothing (fairseq issue #5206)
+            generator.repeat_ngram_blocker = NGramBlock(blocker.no_repeat_ngram_size)
+            logger.info("--no-repeat-ngram-size %d: repeats blocked by the plugin's NGramBlock "
+                        "(fairseq's fallback off its CUDA kernel blocks none)",
+                        blocker.no_repeat_ngram_size)
+        return generator
