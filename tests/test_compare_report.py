@@ -342,6 +342,7 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
     ("debian-ende-avx2", dict(updates=2000, dropout=0.0, schedule="inverse-sqrt")),
     ("debian-ende-avx2/fused-loss", dict(updates=2000, dropout=0.0, schedule="inverse-sqrt")),
     ("debian-ende-avx2/lr-floor", dict(updates=1600, dropout=0.0)),
+    ("debian-ende-avx2/lr-floor-beam4", dict(updates=1600, dropout=0.0, beam=4)),
     ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
 ])
 def test_demo_flags_are_those_of_the_committed_reports(results, flags):
