@@ -98,7 +98,7 @@ def repeats_a_token(hyp):
 def test_no_repeat_ngram_size_blocks_repeats_on_the_cpu(toy_data, fp16_checkpoint):
     """Stock fairseq 0.12 off CUDA blocks no repeat (its fallback reads the buffer's padding; fairseq
     issue #5206): with --task translation its hypotheses are those without the flag. The plugin's
-    task blocks them (toy references repeat a word in most sentences, so the model's outputs do too)."""
+    task blocks them (many toy references repeat a word, so the model's outputs do too)."""
     _, plain, _ = generate(toy_data, fp16_checkpoint)
     proc_stock, stock, _ = generate(toy_data, fp16_checkpoint, "--no-repeat-ngram-size", "1", task="translation")
     proc, blocked, _ = generate(toy_data, fp16_checkpoint, "--no-repeat-ngram-size", "1")

@@ -1,9 +1,10 @@
 """Where half precision changes the forward pass: each module's output against fp32's.
 
 :func:`forward_divergence` runs one batch through the half model and through the
-same model turned fp32 in place for one pass, holding the fp32 master weights (the
-values the half weights round), both in eval mode (no dropout), and returns each module's relative error
-``||half - fp32|| / ||fp32||`` on its (first tensor) output. A module's error
+same model turned fp32 in place for one pass, holding the fp32 master weights
+(the values the half weights round), both in eval mode (no dropout), and returns
+each module's relative error ``||half - fp32|| / ||fp32||`` on its (first
+tensor) output. A module's error
 includes what its inputs carried in; how it grows from one layer to the next
 shows where precision is lost, and which modules ``--fp32-modules`` would help.
 ``translation_fp16`` takes it every ``--precision-divergence-interval`` updates.
@@ -55,8 +56,12 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside torch's and fairseq's data-parallel wrappers (``DataParallel``,
     ``DistributedDataParallel``, fairseq's legacy one and its ``ModuleProxyWrapper``): its
     forward, called on one rank alone, issues no collective."""
-    while (type(model).__name__.endswith("DataParallel") or type(model).__name__ == "ModuleProxyWrapper") \
-            and isinstance(getattr(model, "module", None), torch.nn.Module):
+    def is_wrapper(m):
+        name = type(m).__name__
+        return ((name.endswith("DataParallel") or name == "ModuleProxyWrapper")
+                and isinstance(getattr(m, "module", None), torch.nn.Module))
+
+    while is_wrapper(model):
         model = model.module
     return model
 

@@ -43,9 +43,10 @@ def test_the_next_token_of_a_loop_is_blocked_where_fairseqs_fallback_blocks_none
     lprobs = torch.zeros(2, 10)
     out = NGramBlock(3)(tokens, lprobs, 2, 1, step)
     assert out is lprobs  # in place, as fairseq's
-    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [6]  # "5 6" was followed by 6
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [6]  # "7 5" was followed by 6
     assert not torch.isinf(out[1]).any()
-    assert NGramBlock(2)(tokens, torch.zeros(2, 10), 2, 1, step)[0].isinf().nonzero().flatten().tolist() == [6]
+    # bigrams: "5" was followed by 6 (twice); the second row's last token, 9, by nothing
+    assert NGramBlock(2)(tokens, torch.zeros(2, 10), 2, 1, step).isinf().nonzero().tolist() == [[0, 6]]
     # fairseq 0.12's fallback (no CUDA extension) compares with the buffer's padding: nothing blocked
     stock = NGramRepeatBlock(3, use_extension=False)(tokens, torch.zeros(2, 10), 2, 1, step)
     assert not torch.isinf(stock).any()
