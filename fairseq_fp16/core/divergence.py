@@ -52,6 +52,18 @@ def _record_outputs(model: torch.nn.Module, store: Dict[str, torch.Tensor]):
     return handles
 
 
+def _outputs(model: torch.nn.Module, net_input: Mapping) -> Dict[str, torch.Tensor]:
+    """Each named module's first output of one pass of ``model(**net_input)``."""
+    store: Dict[str, torch.Tensor] = {}
+    handles = _record_outputs(model, store)
+    try:
+        model(**net_input)
+    finally:
+        for h in handles:
+            h.remove()
+    return store
+
+
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside torch's and fairseq's data-parallel wrappers (``DataParallel``,
     ``DistributedDataParallel``, fairseq's legacy one and its ``ModuleProxyWrapper``): its
@@ -132,26 +144,14 @@ def forward_divergence(model: torch.nn.Module, masters: Mapping[int, torch.Tenso
         half output is not finite.
     """
     model = _unwrapped(model)
-    half_out: Dict[str, torch.Tensor] = {}
-    ref_out: Dict[str, torch.Tensor] = {}
     training = model.training
     model.eval()
     try:
-        handles = _record_outputs(model, half_out)
-        try:
-            model(**net_input)
-        finally:
-            for h in handles:
-                h.remove()
+        half_out = _outputs(model, net_input)
         ref_input = {k: v.float() if torch.is_tensor(v) and v.dtype in _HALF else v
                      for k, v in net_input.items()}  # token ids pass as they are
         with _as_fp32(model, masters):
-            handles = _record_outputs(model, ref_out)
-            try:
-                model(**ref_input)
-            finally:
-                for h in handles:
-                    h.remove()
+            ref_out = _outputs(model, ref_input)
     finally:
         model.train(training)
     result = {}
