@@ -75,11 +75,19 @@ def test_torchrun_two_cpu_processes_match_one_process(toy_data, tmp_path, one_pr
 
 
 def test_cpu_world_size_spawns_the_processes(toy_data, tmp_path, one_process):
-    """fairseq-train --cpu --distributed-world-size 2, no launcher (stock: AssertionError, 0 GPUs)."""
+    """fairseq-train --cpu --distributed-world-size 2, no launcher (stock: AssertionError, 0 GPUs).
+    Rank 0 also measures the forward divergence every 4 updates, on the model inside the
+    data-parallel wrapper and alone (a collective on one rank would hang the run)."""
+    div = tmp_path / "div.jsonl"
     proc, recs = run([BIN / "fairseq-train", *fault_args(toy_data, tmp_path, *BASE, "--distributed-world-size",
-                                                          "2", "--max-update", "12", "--no-save")])
+                                                          "2", "--max-update", "12", "--no-save",
+                                                          "--precision-divergence-interval", "4",
+                                                          "--precision-divergence", div)])
     assert "distributed init (rank 1): tcp://localhost:" in proc.stdout + proc.stderr
     _assert_same_trajectory(by_update(recs), one_process)
+    lines = [json.loads(line) for line in div.read_text().splitlines()]
+    assert [r["update"] for r in lines] == [0, 4, 8]  # once per update: rank 0 only
+    assert "decoder.output_projection" in lines[0]["modules"]  # not "module.decoder..."
 
 
 def test_overflow_on_one_rank_makes_every_rank_skip_and_back_off(toy_data, tmp_path):

@@ -66,12 +66,12 @@ def _outputs(model: torch.nn.Module, net_input: Mapping) -> Dict[str, torch.Tens
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside torch's and fairseq's data-parallel wrappers (``DataParallel``,
-    ``DistributedDataParallel``, fairseq's legacy one and its ``ModuleProxyWrapper``): its
-    forward, called on one rank alone, issues no collective."""
+    ``DistributedDataParallel`` and its subclasses, fairseq's legacy one and its
+    ``ModuleProxyWrapper``): its forward, called on one rank alone, issues no collective."""
     def is_wrapper(m):
-        name = type(m).__name__
-        return ((name.endswith("DataParallel") or name == "ModuleProxyWrapper")
-                and isinstance(getattr(m, "module", None), torch.nn.Module))
+        return (isinstance(m, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel))
+                or type(m).__name__ in ("LegacyDistributedDataParallel", "ModuleProxyWrapper")
+                ) and isinstance(getattr(m, "module", None), torch.nn.Module)
 
     while is_wrapper(model):
         model = model.module
@@ -80,12 +80,12 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def _as_fp32(model: torch.nn.Module, masters: Mapping[int, torch.Tensor]):
-    """Within the block, ``model`` is its fp32 twin, in place: each half parameter holds its
-    fp32 master (the same storage, read only), half buffers are upcast, fp32 islands return
-    fp32, forward hooks are off (the twin's pass is no one's business); forward pre-hooks
-    stay (weight_norm's makes the weight from g and v). On exit every parameter, buffer,
-    hook, island and plain tensor attribute (caches a forward sets, weight_norm's weight)
-    is what it was."""
+    """Within the block, ``model`` is its fp32 twin, in place: each module's half parameters
+    are replaced by their fp32 masters (the same storage, read only; the parameter objects
+    are not touched), half buffers are upcast, fp32 islands return fp32, forward hooks are
+    off (the twin's pass is no one's business); forward pre-hooks stay (weight_norm's makes
+    the weight from g and v). On exit every parameter, buffer, hook, island and plain
+    tensor attribute (caches a forward sets, weight_norm's weight) is what it was."""
     params, buffers, hooks, attrs, islands = [], [], [], [], []
     try:
         for module in model.modules():
@@ -102,14 +102,17 @@ def _as_fp32(model: torch.nn.Module, masters: Mapping[int, torch.Tensor]):
                 if buf is not None and buf.dtype in _HALF:
                     buffers.append((module, name, buf))
                     module._buffers[name] = buf.float()
-            for p in module.parameters(recurse=False):
-                if p.dtype in _HALF:
-                    params.append((p, p.data))
-                    p.data = masters.get(id(p), p).detach().float()
+            # the module's entry, not the parameter, changes: a parameter's .data set to another
+            # dtype would drop its gradient accumulator, and with it the hooks DDP's reducer put
+            # there (that rank's gradients would skip the all-reduce)
+            for name, p in module._parameters.items():
+                if p is not None and p.dtype in _HALF:
+                    params.append((module, name, p))
+                    module._parameters[name] = masters.get(id(p), p).detach().float()
         yield model
     finally:
-        for p, data in params:
-            p.data = data
+        for module, name, p in params:
+            module._parameters[name] = p
         for module, name, buf in buffers:
             module._buffers[name] = buf
         for module, name, table in hooks:
