@@ -4,9 +4,9 @@
 same model turned fp32 in place for one pass, holding the fp32 master weights
 (the values the half weights round), both in eval mode (no dropout), and returns
 each module's relative error ``||half - fp32|| / ||fp32||`` on its (first
-tensor) output. A module's error
-includes what its inputs carried in; how it grows from one layer to the next
-shows where precision is lost, and which modules ``--fp32-modules`` would help.
+tensor) output. A module's error includes what its inputs carried in; how it
+grows from one layer to the next shows where precision is lost, and which
+modules ``--fp32-modules`` would help.
 ``translation_fp16`` takes it every ``--precision-divergence-interval`` updates.
 """
 
@@ -131,8 +131,9 @@ def forward_divergence(model: torch.nn.Module, masters: Mapping[int, torch.Tenso
                        net_input: Mapping) -> Dict[str, float]:
     """Relative error of each module's output in ``model`` (half) against fp32.
 
-    The fp32 pass runs on the model itself, its half parameters holding their masters for
-    the pass (no copy of the model is made); afterwards the model is as it was.
+    The fp32 pass runs on the model itself, its modules holding the masters in place of their
+    half parameters for the pass (no copy of the model is made); afterwards the model is as
+    it was.
 
     Args:
         model: the half-precision model (left as it was: mode, weights, hooks), or a

@@ -109,6 +109,9 @@ def test_the_fp32_pass_runs_in_place_and_leaves_parameters_buffers_and_caches_as
     half = copy.deepcopy(fp32).half()
     fp32[0].lock = half[0].lock = threading.Lock()
     params = {name: (p, p.data_ptr()) for name, p in half.named_parameters()}
+    # the nodes that accumulate each parameter's gradient, where DDP's reducer hooks in: setting
+    # a parameter's .data to fp32 and back would replace them (and lose such hooks)
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in half.parameters()]
     buf = half[0].scale
     x = x_for(torch.float16)
     masters = {id(p): m.detach() for p, m in zip(half.parameters(), fp32.parameters())}
@@ -117,6 +120,8 @@ def test_the_fp32_pass_runs_in_place_and_leaves_parameters_buffers_and_caches_as
     # (the fp32 pass set it in fp32)
     assert {name: (p, p.data_ptr()) for name, p in half.named_parameters()} == params
     assert all(p.dtype == torch.float16 for p in half.parameters())
+    assert all(p.view_as(p).grad_fn.next_functions[0][0] is acc
+               for p, acc in zip(half.parameters(), accumulators))
     assert half[0].scale is buf and buf.dtype == torch.float16
     assert half[0]._cache.dtype == torch.float16
     # the reference is the fp32 model (its weights the masters, its buffer fp32): the errors
