@@ -108,3 +108,81 @@ def test_no_repeat_ngram_size_blocks_repeats_on_the_cpu(toy_data, fp16_checkpoin
     assert len(blocked) == 100 and not any(map(repeats_a_token, blocked.values()))
     assert ("--no-repeat-ngram-size 1: repeats blocked by the plugin's NGramBlock (fairseq's fallback "
             "off its CUDA kernel blocks none)") in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------- scripts/export_fp32_checkpoint.py
+SHARED_EMBEDDING = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+                    "decoder.output_projection.weight")
+
+
+@pytest.fixture(scope="module")
+def exported(fp16_checkpoint, tmp_path_factory):
+    from export_fp32_checkpoint import export
+
+    out = tmp_path_factory.mktemp("exported") / "fp32.pt"
+    return out, export(fp16_checkpoint, out)
+
+
+def test_export_writes_the_exact_masters_under_every_name(fp16_checkpoint, exported):
+    out, summary = exported
+    src = torch.load(fp16_checkpoint, weights_only=True)
+    dst = torch.load(out, weights_only=True)
+    masters = src["last_optimizer_state"]["master_params"]
+    assert summary["precision"] == "fp16" and summary["replaced"] == len(masters) > 10
+    # the shared table is one parameter and three state-dict names
+    assert summary["names"] == summary["replaced"] + 2
+    table = dst["model"][SHARED_EMBEDDING[0]]
+    assert all(torch.equal(dst["model"][k], table) for k in SHARED_EMBEDDING)
+    assert any(torch.equal(table, m) for m in masters.values())
+    replaced = {k for k, v in dst["model"].items() if not torch.equal(v, src["model"][k])}
+    assert set(SHARED_EMBEDDING) <= replaced and len(replaced) == summary["names"]
+    for k, v in dst["model"].items():
+        if k in replaced:  # its master, which rounds to the half model's weight
+            assert v.dtype == torch.float32 and torch.equal(v.half().float(), src["model"][k]), k
+            assert any(v.shape == m.shape and torch.equal(v, m) for m in masters.values()), k
+        else:  # fp32 islands (LayerNorm) and buffers have no half copy: unchanged
+            assert "layer_norm" in k or not k.endswith((".weight", ".bias")), k
+    assert summary["changed"] == sum(int((dst["model"][k] != src["model"][k]).sum()) for k in replaced)
+    assert summary["changed"] > 0.5 * sum(dst["model"][k].numel() for k in replaced)
+    opt_src, opt_dst = src["last_optimizer_state"], dst["last_optimizer_state"]
+    assert all(torch.equal(opt_dst["master_params"][i], m) for i, m in masters.items())
+    assert opt_dst["scaler"] == opt_src["scaler"] and dst["extra_state"] == src["extra_state"]
+
+
+def test_exported_checkpoint_decodes_and_resumes_as_the_original(toy_data, fp16_checkpoint, exported, tmp_path):
+    out, _ = exported
+    _, ref, bleu_ref = generate(toy_data, fp16_checkpoint)
+    proc, hyps, bleu = generate(toy_data, out)
+    assert proc.returncode == 0 and len(hyps) == 100, proc.stderr[-2000:]
+    assert sum(hyps[k] == ref[k] for k in ref) >= 90 and abs(bleu - bleu_ref) < 3, (bleu, bleu_ref)
+    # resuming: the half model takes the masters rounded (IN's weights), the optimizer the masters
+    losses = []
+    for ckpt in (fp16_checkpoint, out):
+        _, records = train(toy_data, tmp_path / ckpt.stem, "--fp16", "--restore-file", ckpt, "--max-update",
+                           "405", "--lr", "1e-2", "--warmup-updates", "40", "--dropout", "0")
+        losses.append([(r["num_updates"], r["loss"], r["loss_scale"]) for r in records])
+    assert len(losses[0]) == 5 and losses[0] == losses[1]
+
+
+def test_export_refuses_a_checkpoint_without_masters_or_with_foreign_ones(toy_data, fp16_checkpoint, tmp_path):
+    from export_fp32_checkpoint import export, main
+
+    train(toy_data, tmp_path / "fp32", "--max-update", "2")
+    with pytest.raises(ValueError, match=r"fp32/checkpoint_last\.pt holds no fp32 master weights "
+                                         r"\(precision: fp32\): only a --fp16 or --bf16 run"):
+        export(tmp_path / "fp32" / "checkpoint_last.pt", tmp_path / "x.pt")
+    state = torch.load(fp16_checkpoint, weights_only=True)
+    masters = state["last_optimizer_state"]["master_params"]
+    # two masters of the same shape swapped: each fits a parameter, neither fits its own
+    i, j = next((i, j) for i in masters for j in masters if i < j and masters[i].shape == masters[j].shape)
+    masters[i], masters[j] = masters[j], masters[i]
+    torch.save(state, tmp_path / "swapped.pt")
+    with pytest.raises(ValueError, match=rf"swapped\.pt: the fp32 master of parameter {i} does not round to "
+                                         r"the model's weight '[\w.]+': the masters do not fit this model"):
+        export(tmp_path / "swapped.pt", tmp_path / "x.pt")
+    del state["last_optimizer_state"]
+    torch.save(state, tmp_path / "bare.pt")
+    with pytest.raises(SystemExit, match=r"export_fp32_checkpoint: \S+bare\.pt holds no optimizer state "
+                                         r"\(saved with --no-save-optimizer-state\?\)"):
+        main([str(tmp_path / "bare.pt"), str(tmp_path / "x.pt")])
+    assert not (tmp_path / "x.pt").exists()
