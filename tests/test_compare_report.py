@@ -407,3 +407,37 @@ def test_recipe_readme_quotes_the_committed_reports_bleu(results):
     for mode, run in summary["runs"].items():
         row = f"| {run['bleu']:.2f} | " + ("-" if run["p_vs_fp32"] is None else f"{run['p_vs_fp32']:.3f}") + " |"
         assert row in readme.replace("**", ""), (results, mode, row)
+
+
+def test_decode_precision_decodes_each_run_in_the_other_precisions(compared, tmp_path):
+    src, _ = compared
+    out = tmp_path / "cmp"
+    shutil.copytree(src, out)
+    cmd = [sys.executable, ROOT / "scripts" / "decode_precision.py", out, "--modes", "fp16,fp32"]
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    summary = json.loads((out / "decode_precision.json").read_text())
+    assert (summary["gen_subset"], summary["gen_args"]) == ("test", "--beam 1 --cpu")
+    runs = summary["runs"]
+    assert list(runs) == ["fp32", "fp16"]  # settings.json's order; fp32-seed2 not asked for
+    labels = {m: [(d["weights"], d["decoded_in"]) for d in e["decodes"]] for m, e in runs.items()}
+    assert labels == {"fp32": [("checkpoint", "fp16"), ("checkpoint", "bf16")],
+                      "fp16": [("checkpoint", "fp32"), ("masters", "fp32")]}
+    refs = (out / "fp16" / "refs.txt").read_text().splitlines()
+    for mode, e in runs.items():
+        r = json.loads((out / mode / "result.json").read_text())["generate"]
+        assert e["as_trained"] == {"decoded_in": mode, "bleu": r["bleu"], "chrf": r["chrf"],
+                                   "bleu_bp": r["bleu_bp"]}
+        trained = (out / mode / "hyps.txt").read_text().splitlines()
+        for d in e["decodes"]:  # each score is sacrebleu's on the hypotheses kept
+            hyps = (out / mode / "decode_precision" / f"hyps-{d['decoded_in']}-{d['weights']}.txt"
+                    ).read_text().splitlines()
+            assert len(hyps) == d["n_sentences"] == 100
+            assert d["bleu"] == round(BLEU().corpus_score(hyps, [refs]).score, 2)
+            assert d["d_bleu"] == round(d["bleu"] - r["bleu"], 2)
+            assert d["same_hypotheses"] == sum(h == t for h, t in zip(hyps, trained))
+            # a few roundings apart: most greedy outputs of the tiny model do not change
+            assert d["same_hypotheses"] >= 80, (mode, d)
+    assert not (out / "fp16" / "decode_precision" / "fp32_masters.pt").exists()  # removed after use
+    assert "| fp16 | fp16 | " in proc.stdout and "fp32 decode, fp32 masters: " in proc.stdout
+    proc = subprocess.run(cmd[:3] + ["--modes", "fp16,bf16"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--modes: bf16 not among the runs of" in proc.stderr
