@@ -101,8 +101,8 @@ def run(out: Path, modes=None) -> dict:
                                      "d_bleu": round(s["bleu"] - g["bleu"], 2),
                                      "same_hypotheses": same, "n_sentences": len(hyps),
                                      "wall_s": s["wall_s"]})
-            print(f"{mode}: {label}: BLEU {s['bleu']} ({s['bleu'] - g['bleu']:+.2f} against "
-                  f"{g['bleu']} decoded in {precision}; {same} of {len(hyps)} hypotheses the same)",
+            print(f"{mode}: {label}: BLEU {s['bleu']:.2f} ({s['bleu'] - g['bleu']:+.2f} against "
+                  f"{g['bleu']:.2f} decoded in {precision}; {same} of {len(hyps)} hypotheses the same)",
                   flush=True)
         runs[mode] = entry
     return {"gen_subset": settings["gen_subset"], "gen_args": settings["gen_args"], "runs": runs}
@@ -113,9 +113,9 @@ def table(summary: dict) -> str:
     lines = ["| run | trained in | BLEU, decoded in it | other decodes: BLEU (d, same hypotheses) |",
              "|---|---|---|---|"]
     for mode, e in summary["runs"].items():
-        other = "; ".join(f"{d['label']}: {d['bleu']} ({d['d_bleu']:+.2f}, {d['same_hypotheses']}/"
+        other = "; ".join(f"{d['label']}: {d['bleu']:.2f} ({d['d_bleu']:+.2f}, {d['same_hypotheses']}/"
                           f"{d['n_sentences']})" for d in e["decodes"])
-        lines.append(f"| {mode} | {e['trained']} | {e['as_trained']['bleu']} | {other} |")
+        lines.append(f"| {mode} | {e['trained']} | {e['as_trained']['bleu']:.2f} | {other} |")
     return "\n".join(lines) + "\n"
 
 
