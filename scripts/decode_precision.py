@@ -79,6 +79,7 @@ def run(out: Path, modes=None) -> dict:
         work = out / mode / "decode_precision"
         work.mkdir(exist_ok=True)
         g = result["generate"]
+        trained_hyps = (out / mode / "hyps.txt").read_text().splitlines()
         entry = {"trained": precision,
                  "as_trained": {"decoded_in": precision, "bleu": g["bleu"], "chrf": g["chrf"],
                                 "bleu_bp": g["bleu_bp"]},
@@ -95,7 +96,7 @@ def run(out: Path, modes=None) -> dict:
                     path.unlink(missing_ok=True)  # the size of the checkpoint; rebuilt on a rerun
             hyps = s.pop("hyps")
             (work / f"hyps-{dec}-{weights}.txt").write_text("".join(h + "\n" for h in hyps))
-            same = sum(h == a for h, a in zip(hyps, (out / mode / "hyps.txt").read_text().splitlines()))
+            same = sum(h == t for h, t in zip(hyps, trained_hyps))
             entry["decodes"].append({"label": label, "weights": weights, "decoded_in": dec,
                                      "bleu": s["bleu"], "chrf": s["chrf"], "bleu_bp": s["bleu_bp"],
                                      "d_bleu": round(s["bleu"] - g["bleu"], 2),
