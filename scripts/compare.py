@@ -173,6 +173,15 @@ def task_and_plugin(spec: dict):
     return "translation", []
 
 
+def generate_args(data, task: str, plugin, ckpt, subset: str, results: Path, gen_args: str, flags):
+    """fairseq-generate's arguments: decode ``subset`` of ``data`` with ``ckpt`` into ``results``."""
+    return [data, *plugin, "--task", task, "--path", ckpt, "--gen-subset", subset,
+            "--results-path", results,
+            # fairseq-generate silently drops a last batch that is not a multiple
+            # of --required-batch-size-multiple (default 8): score every sentence.
+            "--required-batch-size-multiple", "1", *shlex.split(gen_args), *flags]
+
+
 def decode(mode: str, spec: dict, a, run_dir: Path) -> dict:
     """Decode ``a.gen_subset`` with the run's last checkpoint and score it: result.json's "generate"."""
     ckpt = run_dir / "checkpoints" / "checkpoint_last.pt"
@@ -181,11 +190,7 @@ def decode(mode: str, spec: dict, a, run_dir: Path) -> dict:
     task, plugin = task_and_plugin(spec)
     banner(f"[{mode}] decoding the {a.gen_subset} split: fairseq-generate {' '.join(spec['flags']) or '(fp32)'}")
     gen_dir = run_dir / "generate"
-    gen_args = [a.data, *plugin, "--task", task, "--path", ckpt,
-                "--gen-subset", a.gen_subset, "--results-path", gen_dir,
-                # fairseq-generate silently drops a last batch that is not a multiple
-                # of --required-batch-size-multiple (default 8): score every sentence.
-                "--required-batch-size-multiple", "1", *shlex.split(a.gen_args), *spec["flags"]]
+    gen_args = generate_args(a.data, task, plugin, ckpt, a.gen_subset, gen_dir, a.gen_args, spec["flags"])
     g_stats = run_with_stats(run_dir / "generate_stats.json", "fairseq-generate", gen_args,
                              run_dir / "generate.out")
     hyps, refs, srcs = read_generate_output(gen_dir / f"generate-{a.gen_subset}.txt")

@@ -21,7 +21,6 @@ skipped (their checkpoints hold no plugin masters).
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import time
@@ -29,10 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from compare import MODES, USER_DIR, read_generate_output, score  # noqa: E402
+from compare import MODES, generate_args, read_generate_output, score, task_and_plugin  # noqa: E402
 
 BIN = Path(sys.executable).parent
-FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}
 
 
 def decodes_of(precision: str):
@@ -45,10 +43,10 @@ def decodes_of(precision: str):
 def generate(settings: dict, ckpt: Path, precision: str, work: Path) -> dict:
     """fairseq-generate of ``settings``' split with ``ckpt`` in ``precision``; its scores."""
     subset = settings["gen_subset"]
-    args = [str(BIN / "fairseq-generate"), settings["data"], "--user-dir", USER_DIR,
-            "--task", "translation_fp16", "--path", str(ckpt), "--gen-subset", subset,
-            "--results-path", str(work), "--required-batch-size-multiple", "1",
-            *shlex.split(settings["gen_args"]), *FLAGS[precision]]
+    spec = MODES[precision]
+    task, plugin = task_and_plugin(spec)
+    args = [str(BIN / "fairseq-generate"), *map(str, generate_args(
+        settings["data"], task, plugin, ckpt, subset, work, settings["gen_args"], spec["flags"]))]
     t0 = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0:
