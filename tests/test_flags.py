@@ -18,7 +18,10 @@ CASES = [
     (["--fp16", "--adam-betas", "(0.9,)"], r"--adam-betas must be two numbers like '\(0.9, 0.98\)'"),
     (["--fp16", "--adam-backend", "apex"], r"--adam-backend apex needs NVIDIA apex"),
     (["--bf16", "--cpu-kernel-cache", "0"],
-     r"--cpu-kernel-cache must be an integer >= 1 \(kernels kept per cache; torch's default is 1024\), got 0"),
+     r"--cpu-kernel-cache must be auto or an integer >= 1 \(kernels kept per cache; torch's default is 1024\), "
+     r"got '0'"),
+    (["--bf16", "--cpu-length-multiple", "0"],
+     r"--cpu-length-multiple must be auto or an integer >= 1 \(1 = lengths as they are\), got '0'"),
     (["--fp16", "--precision-divergence-interval", "-2"],
      r"--precision-divergence-interval must be >= 0 \(0 = off\), got -2"),
     (["--fp16", "--precision-stats-interval", "-1"], r"--precision-stats-interval must be >= 0 \(0 = off\), got -1"),

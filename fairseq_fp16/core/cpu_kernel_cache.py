@@ -12,17 +12,81 @@ on this project's demo, 3.6x the fp32 run's peak.
 Both capacities are read from the environment when the first such product
 runs, so :func:`cap_cpu_kernel_caches` sets them when the task is built, before
 the model computes anything. A variable the user has set is left alone.
+
+On a CPU with AMX tiles, a cache miss costs more than memory: oneDNN compiles
+(JITs) an AMX kernel for each new shape, and with few entries kept a run compiles
+the same kernels again and again (a fifth of a bf16 update on the demo's model,
+BENCHMARKS.md). Fewer shapes cure both: with each batch's source and target
+lengths padded to a multiple of 8 (fairseq's ``--required-seq-len-multiple``;
+padded positions are masked, the sentences of each batch are unchanged) the
+batches come in a few dozen shapes, every kernel is compiled once and a
+1,024-entry cache stays small. :func:`resolve_length_multiple` and
+:func:`resolve_kernel_cache` make that the default (``auto``) where the half
+products run on AMX tiles, and keep lengths as they are and 64 entries elsewhere
+(on a CPU with AVX512-BF16 but no AMX the cap cost bf16 2%, and padding costs
+every run the padded positions' work).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, MutableMapping, Optional
+from typing import Dict, Iterable, MutableMapping, Optional
 
-__all__ = ["CACHE_ENV_VARS", "check_capacity", "cap_cpu_kernel_caches"]
+import torch
+
+from .half_matmul import cpu_has_amx
+
+__all__ = [
+    "CACHE_ENV_VARS",
+    "check_capacity",
+    "cap_cpu_kernel_caches",
+    "resolve_kernel_cache",
+    "resolve_length_multiple",
+]
 
 #: oneDNN's primitive cache, then ideep's (torch's oneDNN wrapper)
 CACHE_ENV_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+#: ``--cpu-kernel-cache auto``: lengths as they are (many shapes: bound the memory) /
+#: padded (few shapes: keep them all; torch's own capacity)
+CAPPED_CACHE, BUCKETED_CACHE = 64, 1024
+#: ``--cpu-length-multiple auto`` where the half products run on AMX tiles
+AMX_LENGTH_MULTIPLE = 8
+
+
+def resolve_length_multiple(
+    choice, dtype: Optional[torch.dtype], native: bool, flags: Optional[Iterable[str]] = None
+) -> int:
+    """``--cpu-length-multiple`` as the multiple each batch's lengths are padded to.
+
+    Args:
+        choice: ``"auto"`` or an integer >= 1.
+        dtype: the model's half dtype (None: fp32, which ``auto`` never pads).
+        native: whether the CPU half products run on torch's native (oneDNN) kernels.
+        flags: /proc/cpuinfo flags (default: this CPU's).
+
+    Returns:
+        ``choice`` as an int; for ``auto``, :data:`AMX_LENGTH_MULTIPLE` when native
+        ``dtype`` products run on AMX tiles, else 1 (lengths as they are).
+
+    Raises:
+        ValueError: naming the flag, for anything but ``auto`` or an integer >= 1.
+    """
+    if str(choice) == "auto":
+        return AMX_LENGTH_MULTIPLE if native and cpu_has_amx(dtype, flags) else 1
+    return _at_least_one(choice, "--cpu-length-multiple must be auto or an integer >= 1 "
+                                 "(1 = lengths as they are)")
+
+
+def resolve_kernel_cache(choice, length_multiple: int) -> int:
+    """``--cpu-kernel-cache`` as a capacity: ``auto`` keeps :data:`BUCKETED_CACHE` kernels
+    when batch lengths are padded to a multiple above 1, else :data:`CAPPED_CACHE`.
+
+    Raises:
+        ValueError: naming the flag (see :func:`check_capacity`).
+    """
+    if str(choice) == "auto":
+        return BUCKETED_CACHE if length_multiple > 1 else CAPPED_CACHE
+    return check_capacity(choice)
 
 
 def check_capacity(capacity) -> int:
@@ -31,16 +95,19 @@ def check_capacity(capacity) -> int:
     Raises:
         ValueError: naming the flag, for anything but an integer >= 1.
     """
+    return _at_least_one(capacity, "--cpu-kernel-cache must be auto or an integer >= 1 "
+                                   "(kernels kept per cache; torch's default is 1024)")
+
+
+def _at_least_one(value, message: str) -> int:
+    """``value`` as an int >= 1, or ValueError(f"{message}, got {value!r}")."""
     try:
-        value = int(str(capacity))
+        number = int(str(value))
     except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            "--cpu-kernel-cache must be an integer >= 1 (kernels kept per cache; "
-            f"torch's default is 1024), got {capacity!r}"
-        )
-    return value
+        number = 0
+    if number < 1:
+        raise ValueError(f"{message}, got {value!r}")
+    return number
 
 
 def cap_cpu_kernel_caches(

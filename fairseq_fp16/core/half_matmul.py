@@ -65,6 +65,7 @@ __all__ = [
     "Fp32AccumulateFunctions",
     "NativeHalfProducts",
     "ROUTED_FUNCTIONS",
+    "cpu_has_amx",
     "cpu_has_native_half",
     "resolve_half_matmul",
     "half_matmul_context",
@@ -106,6 +107,8 @@ NATIVE_FLAGS = {
     torch.float16: ("avx512_fp16", "amx_fp16"),
     torch.bfloat16: ("avx512_bf16", "amx_bf16"),
 }
+#: /proc/cpuinfo flags of AMX tile units per dtype (oneDNN compiles a kernel per shape for them)
+AMX_FLAGS = {torch.float16: "amx_fp16", torch.bfloat16: "amx_bf16"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,6 +133,13 @@ def cpu_has_native_half(dtype: torch.dtype, flags: Optional[Iterable[str]] = Non
     if flags is None:
         return True
     return any(f in flags for f in NATIVE_FLAGS[dtype])
+
+
+def cpu_has_amx(dtype: Optional[torch.dtype], flags: Optional[Iterable[str]] = None) -> bool:
+    """Whether the CPU has AMX tile units for ``dtype`` (from /proc/cpuinfo; False where
+    the flags cannot be read, and for fp32)."""
+    flags = _cpu_flags() if flags is None else frozenset(flags)
+    return flags is not None and AMX_FLAGS.get(dtype) in flags
 
 
 def resolve_half_matmul(choice: str, dtype: Optional[torch.dtype],

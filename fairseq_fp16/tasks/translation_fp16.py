@@ -17,9 +17,12 @@ What it adds to ``translation``:
 * ``--half-matmul``: on CPUs without half-precision units, the train step,
   valid step and generation run their matrix products with fp32 accumulation
   (:mod:`fairseq_fp16.core.half_matmul`);
-* ``--cpu-kernel-cache``: caps oneDNN's per-shape kernel caches for CPU half
-  runs on native kernels, whose memory otherwise grows with every batch shape
-  (:mod:`fairseq_fp16.core.cpu_kernel_cache`);
+* ``--cpu-length-multiple`` and ``--cpu-kernel-cache``: for CPU half runs on
+  native kernels, pad batch lengths so that batches come in few shapes (by
+  default where the products run on AMX tiles, whose kernels oneDNN compiles per
+  shape), and cap oneDNN's per-shape kernel caches, whose memory otherwise grows
+  with every batch shape (:mod:`fairseq_fp16.core.cpu_kernel_cache`); generation
+  drops the padded source columns again, so decoding is as without padding;
 * the diagnostics flags ``--scale-trace``, ``--precision-stats-interval`` and
   ``--precision-stats`` (read by the mixed-precision optimizer), and
   ``--precision-divergence-interval``/``--precision-divergence``: each module's
@@ -61,7 +64,11 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
-from ..core.cpu_kernel_cache import cap_cpu_kernel_caches, check_capacity
+from ..core.cpu_kernel_cache import (
+    cap_cpu_kernel_caches,
+    resolve_kernel_cache,
+    resolve_length_multiple,
+)
 from ..core.divergence import forward_divergence, summarize_divergence
 from ..core.fp32_islands import apply_fp32_islands
 from ..core.half_matmul import (
@@ -77,7 +84,7 @@ from ..fused_criterion import FUSED_LOSS_CHOICES, fused_criterion_class
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TranslationFP16Config", "TranslationFP16Task", "validate_precision_flags"]
+__all__ = ["TranslationFP16Config", "TranslationFP16Task", "drop_pad_columns", "validate_precision_flags"]
 
 
 @dataclass
@@ -127,13 +134,25 @@ class TranslationFP16Config(TranslationConfig):
             "--bf16, off for fp32 (fairseq's own loss)"
         },
     )
-    cpu_kernel_cache: int = field(
-        default=64,
+    cpu_kernel_cache: str = field(
+        default="auto",
         metadata={
             "help": "CPU half runs with native kernels: oneDNN keeps a compiled kernel per "
             "matrix shape in two caches (torch's default: 1024 each), and a run's memory grows "
-            "with every batch shape until they are full; this caps both. Sets "
+            "with every batch shape until they are full; this caps both. auto: 1024 when batch "
+            "lengths are padded (--cpu-length-multiple; few shapes), else 64. Sets "
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY unless already set"
+        },
+    )
+    cpu_length_multiple: str = field(
+        default="auto",
+        metadata={
+            "help": "CPU half runs with native kernels: pad each batch's source and target "
+            "lengths to a multiple of this (as --required-seq-len-multiple; the padding is "
+            "masked), so that batches come in few shapes and oneDNN compiles each shape's "
+            "kernel once. auto: 8 where the half products run on AMX tiles (bf16: amx_bf16, "
+            "fp16: amx_fp16), else 1 (lengths as they are). A --required-seq-len-multiple "
+            "above 1 wins; fp32 runs are never padded by this flag"
         },
     )
     scale_trace: Optional[str] = field(
@@ -198,7 +217,8 @@ def validate_precision_flags(cfg) -> None:
         value = getattr(cfg, flag, 0)
         if value is not None and int(value) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (0 = off), got {value!r}")
-    check_capacity(cfg.cpu_kernel_cache)
+    resolve_length_multiple(cfg.cpu_length_multiple, None, native=False)
+    resolve_kernel_cache(cfg.cpu_kernel_cache, 1)
     if getattr(cfg, "bf16", False) and scale:
         logger.warning(
             "--loss-scale %s with --bf16: bf16 has fp32's exponent range and needs no "
@@ -206,11 +226,27 @@ def validate_precision_flags(cfg) -> None:
         )
 
 
+def drop_pad_columns(sample: dict, pad: int) -> dict:
+    """The sample with the source columns that hold only padding removed: the batch as fairseq
+    collates it without ``--required-seq-len-multiple``. A shallow copy; ``sample`` is unchanged.
+
+    Generation takes it: fairseq's beam search caps a batch's output length at
+    ``max_len_a * source columns + max_len_b``, so padded columns would loosen the cap.
+    """
+    src = sample["net_input"]["src_tokens"]
+    keep = src.ne(pad).any(0)
+    if bool(keep.all()):
+        return sample
+    return dict(sample, net_input=dict(sample["net_input"], src_tokens=src[:, keep]))
+
+
 @register_task("translation_fp16", dataclass=TranslationFP16Config)
 class TranslationFP16Task(TranslationTask):
     """Translation with fp32 islands and loss-scaling flags for --fp16/--bf16."""
 
     cfg: TranslationFP16Config
+    #: the multiple --cpu-length-multiple padded batch lengths to (1: not padded by it)
+    _length_multiple = 1
 
     def __init__(self, cfg: TranslationFP16Config, src_dict, tgt_dict):
         validate_precision_flags(cfg)
@@ -228,12 +264,29 @@ class TranslationFP16Task(TranslationTask):
                 cfg.half_matmul,
             )
             if not self.fp32_accumulate:
-                caps = cap_cpu_kernel_caches(cfg.cpu_kernel_cache)
-                logger.info(
-                    "CPU kernel caches: %s (--cpu-kernel-cache %s; a variable set in the "
-                    "environment wins)", ", ".join(f"{k}={v}" for k, v in caps.items()),
-                    cfg.cpu_kernel_cache,
-                )
+                self._bucket_cpu_shapes(dtype)
+
+    def _bucket_cpu_shapes(self, dtype: torch.dtype) -> None:
+        """Native CPU half products: pad batch lengths (``--cpu-length-multiple``) and
+        bound oneDNN's per-shape kernel caches (``--cpu-kernel-cache``)."""
+        cfg = self.cfg
+        multiple = resolve_length_multiple(cfg.cpu_length_multiple, dtype, native=True)
+        given = int(getattr(cfg, "required_seq_len_multiple", 1) or 1)
+        if given > 1:
+            logger.info("CPU batch lengths: padded to a multiple of %d (--required-seq-len-multiple; "
+                        "--cpu-length-multiple %s not applied)", given, cfg.cpu_length_multiple)
+        elif multiple > 1:
+            cfg.required_seq_len_multiple = multiple  # read by load_dataset
+            self._length_multiple = multiple
+            logger.info("CPU batch lengths: padded to a multiple of %d (--cpu-length-multiple %s; "
+                        "the padding is masked)", multiple, cfg.cpu_length_multiple)
+        capacity = resolve_kernel_cache(cfg.cpu_kernel_cache, max(given, multiple))
+        caps = cap_cpu_kernel_caches(capacity)
+        logger.info(
+            "CPU kernel caches: %s (--cpu-kernel-cache %s; a variable set in the "
+            "environment wins)", ", ".join(f"{k}={v}" for k, v in caps.items()),
+            cfg.cpu_kernel_cache,
+        )
 
     @property
     def half_dtype(self) -> Optional[torch.dtype]:
@@ -259,9 +312,11 @@ class TranslationFP16Task(TranslationTask):
         with half_matmul_context(self.fp32_accumulate):
             return super().valid_step(*args, **kwargs)
 
-    def inference_step(self, *args, **kwargs):
+    def inference_step(self, generator, models, sample, *args, **kwargs):
+        if self._length_multiple > 1:  # the beam's length limit counts source columns
+            sample = drop_pad_columns(sample, self.source_dictionary.pad())
         with half_matmul_context(self.fp32_accumulate), self._native_products_check("generation step"):
-            return super().inference_step(*args, **kwargs)
+            return super().inference_step(generator, models, sample, *args, **kwargs)
 
     def _divergence_due(self, sample, optimizer, update_num, ignore_grad) -> bool:
         interval = int(self.cfg.precision_divergence_interval or 0)

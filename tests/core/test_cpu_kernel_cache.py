@@ -1,4 +1,5 @@
-"""--cpu-kernel-cache: the capacities it sets, and the memory growth it stops."""
+"""--cpu-kernel-cache and --cpu-length-multiple: the values they resolve to, the capacities set,
+and the memory growth they stop."""
 
 import json
 import os
@@ -9,8 +10,14 @@ import sys
 import pytest
 import torch
 
-from fairseq_fp16.core.cpu_kernel_cache import CACHE_ENV_VARS, cap_cpu_kernel_caches, check_capacity
-from fairseq_fp16.core.half_matmul import cpu_has_native_half
+from fairseq_fp16.core.cpu_kernel_cache import (
+    CACHE_ENV_VARS,
+    cap_cpu_kernel_caches,
+    check_capacity,
+    resolve_kernel_cache,
+    resolve_length_multiple,
+)
+from fairseq_fp16.core.half_matmul import cpu_has_amx, cpu_has_native_half
 
 
 def test_sets_both_capacities_and_leaves_the_users_own():
@@ -27,10 +34,47 @@ def test_sets_both_capacities_and_leaves_the_users_own():
 @pytest.mark.parametrize("bad", [0, -3, "2.5", "many", None])
 def test_a_capacity_below_one_or_not_an_integer_is_refused(bad):
     env = {}
-    with pytest.raises(ValueError, match=r"--cpu-kernel-cache must be an integer >= 1 .*got "
+    with pytest.raises(ValueError, match=r"--cpu-kernel-cache must be auto or an integer >= 1 .*got "
                        + re.escape(repr(bad))):
         cap_cpu_kernel_caches(bad, env)
     assert env == {}
+
+
+AMX = ["avx512_bf16", "amx_tile", "amx_bf16", "avx512_fp16"]  # /proc/cpuinfo of the AMX Xeon here
+
+
+@pytest.mark.parametrize("choice,dtype,native,flags,expected", [
+    ("auto", torch.bfloat16, True, AMX, 8),
+    ("auto", torch.float16, True, AMX, 1),  # AVX512-FP16 without AMX-FP16
+    ("auto", torch.float16, True, AMX + ["amx_fp16"], 8),
+    ("auto", torch.bfloat16, True, ["avx512_bf16"], 1),  # bf16 units, no AMX
+    ("auto", torch.bfloat16, False, AMX, 1),  # fp32 accumulation: no oneDNN kernels
+    ("auto", None, True, AMX, 1),  # fp32
+    ("4", torch.bfloat16, True, [], 4),
+    (1, torch.bfloat16, True, AMX, 1),
+])
+def test_length_multiple_auto_pads_where_products_run_on_amx_tiles(choice, dtype, native, flags, expected):
+    assert resolve_length_multiple(choice, dtype, native, flags) == expected
+
+
+@pytest.mark.parametrize("bad", [0, "-8", "2.5", "eight", None])
+def test_a_length_multiple_not_auto_nor_a_positive_integer_is_refused(bad):
+    with pytest.raises(ValueError, match=r"--cpu-length-multiple must be auto or an integer >= 1 "
+                       r"\(1 = lengths as they are\), got " + re.escape(repr(bad))):
+        resolve_length_multiple(bad, torch.bfloat16, True, AMX)
+
+
+def test_kernel_cache_auto_keeps_torchs_capacity_only_for_padded_lengths():
+    assert resolve_kernel_cache("auto", 8) == 1024
+    assert resolve_kernel_cache("auto", 1) == 64
+    assert resolve_kernel_cache("32", 8) == 32
+    with pytest.raises(ValueError, match=r"--cpu-kernel-cache must be auto or an integer >= 1"):
+        resolve_kernel_cache("big", 8)
+
+
+def test_amx_needs_the_dtypes_own_tile_flag():
+    assert cpu_has_amx(torch.bfloat16, AMX) and not cpu_has_amx(torch.float16, AMX)
+    assert not cpu_has_amx(torch.float32, AMX + ["amx_fp16"])
 
 
 # bf16 linear layers, forward and backward, on 120 batch shapes as a translation

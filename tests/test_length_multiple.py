@@ -1,0 +1,112 @@
+"""--cpu-length-multiple: which runs get padded batch lengths, and that padding changes nothing else.
+
+The task is built the way fairseq-train builds it (parsed flags, ``tasks.setup_task``), with the
+CPU's /proc/cpuinfo flags replaced, so each machine type's default is checked on any machine.
+"""
+
+import os
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL, TRAIN, USER_DIR, train
+from fairseq_fp16.core import half_matmul
+from fairseq_fp16.core.cpu_kernel_cache import CACHE_ENV_VARS
+
+AMX_CPU = {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}  # the AMX Xeon here
+BF16_CPU = {"avx512f", "avx512_bf16"}  # the AVX512-BF16 EPYC: bf16 units, no AMX
+
+
+def build_task(data, flags, cpu_flags, monkeypatch):
+    """The translation_fp16 task with its valid split loaded; returns (task, kernel-cache env)."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    monkeypatch.setattr(half_matmul, "_cpu_flags", lambda: frozenset(cpu_flags))
+    for var in CACHE_ENV_VARS:  # unset for the task; monkeypatch restores them afterwards
+        monkeypatch.setenv(var, "unset")
+        monkeypatch.delenv(var)
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser, [str(data), *TINY_MODEL, *TRAIN, "--user-dir", USER_DIR, "--save-dir", "unused", *flags])
+    task = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
+    env = {var: os.environ.get(var) for var in CACHE_ENV_VARS}
+    task.load_dataset("valid")
+    return task, env
+
+
+def batch_lengths(task):
+    """(source, target) lengths of every batch of 8 valid sentences, as collated."""
+    ds = task.dataset("valid")
+    out = []
+    for start in range(0, len(ds), 8):
+        b = ds.collater([ds[i] for i in range(start, min(start + 8, len(ds)))])
+        out.append((b["net_input"]["src_tokens"].size(1), b["target"].size(1)))
+    return out
+
+
+CASES = [
+    # flags, CPU, multiple the lengths must be padded to (1: not padded), kernel-cache capacity
+    (["--bf16", "--half-matmul", "native"], AMX_CPU, 8, "1024"),
+    (["--bf16", "--half-matmul", "native"], BF16_CPU, 1, "64"),
+    (["--fp16", "--half-matmul", "native"], AMX_CPU, 1, "64"),  # AVX512-FP16 but no AMX-FP16
+    (["--fp16", "--half-matmul", "native"], AMX_CPU | {"amx_fp16"}, 8, "1024"),
+    (["--bf16", "--half-matmul", "fp32-accumulate"], AMX_CPU, 1, None),  # fp32 products: no oneDNN
+    ([], AMX_CPU, 1, None),  # fp32 runs are never padded by the flag
+    (["--bf16", "--half-matmul", "native", "--cpu-length-multiple", "1"], AMX_CPU, 1, "64"),
+    (["--bf16", "--half-matmul", "native", "--cpu-length-multiple", "16"], BF16_CPU, 16, "1024"),
+    (["--bf16", "--half-matmul", "native", "--cpu-kernel-cache", "32"], AMX_CPU, 8, "32"),
+    (["--bf16", "--half-matmul", "native", "--required-seq-len-multiple", "4"], AMX_CPU, 4, "1024"),
+]
+
+
+@pytest.mark.parametrize("flags,cpu,multiple,cache", CASES,
+                         ids=[" ".join(f) + (" amx" if "amx_bf16" in c else "") for f, c, _, _ in CASES])
+def test_lengths_are_padded_where_the_half_products_run_on_amx(toy_data, monkeypatch, flags, cpu,
+                                                               multiple, cache):
+    task, env = build_task(toy_data, flags, cpu, monkeypatch)
+    lengths = batch_lengths(task)
+    assert task.cfg.required_seq_len_multiple == multiple
+    if multiple > 1:
+        assert all(s % multiple == 0 and t % multiple == 0 for s, t in lengths), lengths
+    else:  # the toy corpus's lengths vary: unpadded batches include lengths of every residue
+        assert any(s % 8 for s, _ in lengths) and any(t % 8 for _, t in lengths), lengths
+    assert env == {var: cache for var in CACHE_ENV_VARS}
+
+
+def test_generation_gets_the_batch_without_the_padded_columns(toy_data, monkeypatch):
+    from fairseq_fp16.tasks.translation_fp16 import drop_pad_columns
+
+    padded, _ = build_task(toy_data, ["--bf16", "--half-matmul", "native"], AMX_CPU, monkeypatch)
+    plain, _ = build_task(toy_data, ["--bf16", "--half-matmul", "native", "--cpu-length-multiple", "1"],
+                          AMX_CPU, monkeypatch)
+    ds_padded, ds_plain = padded.dataset("valid"), plain.dataset("valid")
+    pad = padded.source_dictionary.pad()
+
+    class Recorder:  # a generator that returns the source it was given
+        def generate(self, models, sample, **kwargs):
+            return sample["net_input"]["src_tokens"]
+
+    trimmed = 0
+    for start in range(0, len(ds_plain), 8):
+        idx = range(start, min(start + 8, len(ds_plain)))
+        a, b = ds_padded.collater([ds_padded[i] for i in idx]), ds_plain.collater([ds_plain[i] for i in idx])
+        trimmed += a["net_input"]["src_tokens"].size(1) != b["net_input"]["src_tokens"].size(1)
+        # the beam's length limit counts source columns: generation sees the unpadded batch, exactly
+        assert torch.equal(padded.inference_step(Recorder(), [], a), b["net_input"]["src_tokens"])
+        assert torch.equal(drop_pad_columns(b, pad)["net_input"]["src_tokens"], b["net_input"]["src_tokens"])
+    assert trimmed > 0
+
+
+def test_padded_lengths_leave_the_losses_as_they_were(toy_data, tmp_path):
+    # no dropout: padding adds masked positions and nothing else, so the logged losses and gradient
+    # norms agree (measured: equal to all three logged decimals over 4 updates)
+    runs = {}
+    for multiple in ("8", "1"):
+        proc, recs = train(toy_data, tmp_path / multiple, "--bf16", "--half-matmul", "native", "--dropout", "0",
+                           "--cpu-length-multiple", multiple, "--max-update", "4", "--no-save")
+        runs[multiple] = [(float(r["loss"]), float(r["gnorm"])) for r in recs]
+        said = "CPU batch lengths: padded to a multiple of 8 (--cpu-length-multiple 8; the padding is masked)"
+        assert (said in proc.stdout + proc.stderr) == (multiple == "8")
+    assert len(runs["8"]) == 4
+    torch.testing.assert_close(runs["8"], runs["1"], atol=2e-3, rtol=0)
