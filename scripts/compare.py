@@ -58,6 +58,8 @@ HALF_MATMUL_LOG = re.compile(r"CPU (?:fp16|bf16) matrix products: (.+?) \((--hal
 NATIVE_PRODUCTS_LOG = re.compile(r"--half-matmul: (?:(\d+) half-precision matrix products of the first "
                                  r"training step ran on|every half-precision matrix product of the "
                                  r"first training step accumulated)")
+#: translation_fp16's log line when a CPU half run's batch lengths are padded (--cpu-length-multiple)
+PADDED_LENGTHS_LOG = re.compile(r"CPU batch lengths: padded to a multiple of (\d+) \((--[a-z-]+(?: \S+)?)[;)]")
 #: translation_fp16's log line when the criterion takes the fused loss (--fused-loss)
 FUSED_LOSS_LOG = re.compile(r"--fused-loss (?:auto|on): \S+ computes its loss from the logits")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
@@ -235,6 +237,7 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
     wps = [r["wps"] for r in steady if isinstance(r.get("wps"), (int, float))]
 
     half_matmul = HALF_MATMUL_LOG.search(log_text)
+    padded = PADDED_LENGTHS_LOG.search(log_text)
     native_products = NATIVE_PRODUCTS_LOG.search(log_text)
 
     def wall_at(update):
@@ -254,6 +257,9 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
         # half products of the first training step that fp32 accumulation left on torch's native
         # kernels (the train log names them); None: not checked (fp32, native kernels, CUDA)
         "native_half_products": (int(native_products.group(1) or 0) if native_products else None),
+        # e.g. "padded to a multiple of 8 (--cpu-length-multiple auto)"; None: as they are, or
+        # padded by fairseq's --required-seq-len-multiple alone (an fp32 run: see train_command)
+        "batch_lengths": f"padded to a multiple of {padded.group(1)} ({padded.group(2)})" if padded else None,
         # the loss came from the fused loss (--fused-loss), not fairseq's fp32 log-softmax
         "fused_loss": bool(FUSED_LOSS_LOG.search(log_text)),
         "train": {

@@ -259,8 +259,8 @@ def describe_machine(m: dict) -> str:
 
 
 def machine_lines(results) -> list:
-    """The report's lines on where the runs ran and which CPU matrix-product path each half run
-    took. Runs recorded before result.json held a machine are listed as not recorded; runs on
+    """The report's lines on where the runs ran, which CPU matrix-product path each half run
+    took and, when any run's were padded, how each run's batch lengths were. Runs recorded before result.json held a machine are listed as not recorded; runs on
     different machines or versions get a warning, as their speed and memory do not compare."""
     groups = {}
     for r in results:
@@ -289,7 +289,25 @@ def machine_lines(results) -> list:
     if paths:
         lines.append("CPU half-precision matrix products: " + "; ".join(
             f"{', '.join(modes)}: {path}" for path, modes in paths.items()) + ".")
+    lengths = {}
+    for r in results:
+        lengths.setdefault(batch_lengths(r), []).append(r["mode"])
+    if set(lengths) != {"as they are"}:
+        lines.append("Batch lengths: " + "; ".join(f"{', '.join(modes)}: {how}" for how, modes in lengths.items())
+                     + " (padded positions are masked; a batch's sentences are the same).")
     return lines
+
+
+def batch_lengths(r) -> str:
+    """How a run's batch lengths were shaped: as they are, or padded to a multiple (by the plugin's
+    --cpu-length-multiple, which its log records, or by fairseq's --required-seq-len-multiple)."""
+    if r.get("batch_lengths"):
+        return r["batch_lengths"]
+    cmd = r.get("train_command") or []
+    for i, arg in enumerate(cmd[:-1]):
+        if arg == "--required-seq-len-multiple" and int(cmd[i + 1]) > 1:
+            return f"padded to a multiple of {cmd[i + 1]} (--required-seq-len-multiple)"
+    return "as they are"
 
 
 def loss_line(results) -> list:

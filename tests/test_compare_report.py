@@ -12,7 +12,7 @@ import pytest
 import torch
 from sacrebleu.metrics import BLEU
 
-from fairseq_fp16.core.half_matmul import cpu_has_native_half
+from fairseq_fp16.core.half_matmul import cpu_has_amx, cpu_has_native_half
 
 from conftest import ROOT, TINY_MODEL
 
@@ -70,6 +70,10 @@ def test_result_json_records_the_machine_and_the_matmul_path(compared):
     # fp32 accumulation checks its first training step: every product of the transformer routed
     assert r16["native_half_products"] == (None if m["cpu_native_fp16"] else 0)
     assert r32["native_half_products"] is None
+    # --cpu-length-multiple auto pads the half run's batch lengths where its products run on AMX tiles
+    amx = m["cpu_native_fp16"] and cpu_has_amx(torch.float16)
+    assert r16["batch_lengths"] == ("padded to a multiple of 8 (--cpu-length-multiple auto)" if amx else None)
+    assert r32["batch_lengths"] is None
     checked = "" if m["cpu_native_fp16"] else ", checked: no product of the first training step on native kernels"
     md = (out / "report.md").read_text()
     assert f"\n\nMachine (all runs): {m['cpu']} ({m['cpu_cores']} cores; torch kernels {m['cpu_capability']}; " in md
@@ -106,6 +110,15 @@ def test_report_warns_when_runs_ran_on_different_machines():
     avx2 = dict(cpu, cpu_capability="AVX2", cpu_native_bf16=False)  # same model name, other CPU
     assert machine_lines(runs[:1] + [{"mode": "fp32-seed2", "machine": avx2}])[0].startswith(
         "**The runs ran on different machines")
+    padded = dict(runs[1], batch_lengths="padded to a multiple of 8 (--cpu-length-multiple auto)")
+    fp32_padded = dict(runs[0], train_command=["fairseq-train", "--required-seq-len-multiple", "8", "--cpu"])
+    assert machine_lines([runs[0], padded])[2] == (
+        "Batch lengths: fp32: as they are; bf16: padded to a multiple of 8 (--cpu-length-multiple auto) "
+        "(padded positions are masked; a batch's sentences are the same).")
+    assert machine_lines([fp32_padded, padded])[2] == (
+        "Batch lengths: fp32: padded to a multiple of 8 (--required-seq-len-multiple); bf16: padded to a "
+        "multiple of 8 (--cpu-length-multiple auto) (padded positions are masked; a batch's sentences are "
+        "the same).")
     gpu = dict(cpu, device="NVIDIA H200")
     lines = machine_lines(runs + [{"mode": "fp16", "machine": gpu, "half_matmul": None}])
     assert lines[0].startswith("**The runs ran on different machines or versions: their speed and memory "
