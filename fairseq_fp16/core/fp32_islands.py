@@ -8,6 +8,11 @@ neighbouring half layers see half tensors. Normalisation layers (LayerNorm,
 GroupNorm, BatchNorm) are islands by default, as in the apex recipe: their
 mean/variance reductions lose too much in fp16.
 
+The upcast costs a copy of each norm's input, and torch's CPU ``layer_norm`` would
+take the half input with the fp32 weights directly; but it sums the weights'
+gradients at lower precision (1% off in bf16, ``tests/core/test_fp32_islands.py``),
+so the islands keep the copy.
+
 A marked module keeps its fp32 parameters through later dtype casts (its
 ``_apply`` drops the half cast but keeps device moves), so no precision is
 lost by ``model.half()``.

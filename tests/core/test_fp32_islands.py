@@ -39,6 +39,27 @@ def test_norms_stay_fp32_and_exact_through_half_cast(dtype):
     assert m(x).dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_norm_weight_gradients_are_fp32_sums(dtype):
+    # The island upcasts its input. torch's CPU layer_norm also takes a half input with fp32
+    # weights directly, without the copies, but sums the weight gradient at lower precision:
+    # measured with these tensors, 0.26 off (of up to 23) in bf16 and 0.03 in fp16.
+    torch.manual_seed(0)
+    norm = keep_in_fp32(nn.LayerNorm(256))
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm.to(dtype)
+    x = (torch.randn(64, 256) * 3 + 1).to(dtype)
+    g = torch.randn(64, 256).to(dtype)
+    norm(x).backward(g)
+    xd = x.double()
+    xhat = (xd - xd.mean(-1, keepdim=True)) / (xd.var(-1, unbiased=False, keepdim=True) + norm.eps).sqrt()
+    exact_w, exact_b = (g.double() * xhat).sum(0), g.double().sum(0)
+    assert norm.weight.grad.dtype == torch.float32
+    assert (norm.weight.grad.double() - exact_w).abs().max() < 1e-4 * exact_w.abs().max()
+    assert (norm.bias.grad.double() - exact_b).abs().max() < 1e-4 * exact_b.abs().max()
+
+
 def test_regex_keeps_more_modules_in_fp32_and_reports_them():
     m = Block()
     assert apply_fp32_islands(m, "output_proj") == ["output_projection"]
