@@ -6,7 +6,11 @@
 Without DATA_BIN the synthetic corpus (scripts/make_toy_corpus.py) is built in a
 temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
 plugin, --half-matmul auto), their -native / -fp32acc variants, bf16-cache1024
-(--cpu-kernel-cache 1024: torch's default kernel-cache sizes), fp16-unfused /
+(--cpu-kernel-cache 1024: torch's default kernel-cache sizes), bf16-unpadded
+(--cpu-length-multiple 1: batch lengths as they are, where auto pads them on a CPU
+with AMX), bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
+cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
+--required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss) and fp32-fused
 (--fused-loss on), and fp16-stock (stock fairseq --fp16, no plugin; CUDA only).
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
@@ -43,6 +47,11 @@ MODES = {
     "bf16-native": ["--bf16", "--half-matmul", "native"],
     "bf16-fp32acc": ["--bf16", "--half-matmul", "fp32-accumulate"],
     "bf16-cache1024": ["--bf16", "--cpu-kernel-cache", "1024"],  # torch's own cache sizes
+    # batch lengths (--cpu-length-multiple; auto pads where the products run on AMX tiles)
+    "bf16-unpadded": ["--bf16", "--cpu-length-multiple", "1"],
+    "bf16-padded-cache64": ["--bf16", "--cpu-length-multiple", "8", "--cpu-kernel-cache", "64"],
+    "fp16-padded": ["--fp16", "--cpu-length-multiple", "8"],
+    "fp32-padded": ["--required-seq-len-multiple", "8"],  # fairseq's own flag: fp32 the same shapes
     # the loss: fairseq's log-softmax path for the half modes, the fused one for fp32
     "fp16-unfused": ["--fp16", "--fused-loss", "off"],
     "bf16-unfused": ["--bf16", "--fused-loss", "off"],
