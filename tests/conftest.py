@@ -49,6 +49,22 @@ TRAIN = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _kernel_cache_env_restored():
+    """A translation_fp16 task built in the test process (export_fp32_checkpoint's tests, also in
+    module-scoped fixtures) sets oneDNN's cache capacities in os.environ on a CPU with half units;
+    put them back as the session began, or every later fairseq run would differ from CLI_ENV and
+    start as a fresh process."""
+    from fairseq_fp16.core.cpu_kernel_cache import CACHE_ENV_VARS
+
+    yield
+    for var in CACHE_ENV_VARS:
+        if CLI_ENV.get(var) is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = CLI_ENV[var]
+
+
 @pytest.fixture(scope="session")
 def toy_data(tmp_path_factory):
     from make_toy_corpus import write_corpus
