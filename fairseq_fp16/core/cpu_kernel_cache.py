@@ -19,8 +19,9 @@ the same kernels again and again (a fifth of a bf16 update on the demo's model,
 BENCHMARKS.md). Fewer shapes cure both: with each batch's source and target
 lengths padded to a multiple of 8 (fairseq's ``--required-seq-len-multiple``;
 padded positions are masked, the sentences of each batch are unchanged) the
-batches come in a few dozen shapes, every kernel is compiled once and a
-1,024-entry cache stays small. :func:`resolve_length_multiple` and
+batches come in far fewer shapes, each kernel is compiled once, and 1,024-entry
+caches hold them all in a fraction of the memory they take without padding
+(BENCHMARKS.md). :func:`resolve_length_multiple` and
 :func:`resolve_kernel_cache` make that the default (``auto``) where the half
 products run on AMX tiles, and keep lengths as they are and 64 entries elsewhere
 (on a CPU with AVX512-BF16 but no AMX the cap cost bf16 2%, and padding costs
