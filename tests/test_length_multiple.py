@@ -66,7 +66,9 @@ def test_lengths_are_padded_where_the_half_products_run_on_amx(toy_data, monkeyp
                                                                multiple, cache):
     task, env = build_task(toy_data, flags, cpu, monkeypatch)
     lengths = batch_lengths(task)
-    assert task.cfg.required_seq_len_multiple == multiple
+    assert task.dataset("valid").pad_to_multiple == multiple
+    # the automatic padding is the task's, not a setting: the cfg that checkpoints save keeps the user's
+    assert task.cfg.required_seq_len_multiple == (4 if "--required-seq-len-multiple" in flags else 1)
     if multiple > 1:
         assert all(s % multiple == 0 and t % multiple == 0 for s, t in lengths), lengths
     else:  # the toy corpus's lengths vary: unpadded batches include lengths of every residue
@@ -104,9 +106,14 @@ def test_padded_lengths_leave_the_losses_as_they_were(toy_data, tmp_path):
     runs = {}
     for multiple in ("8", "1"):
         proc, recs = train(toy_data, tmp_path / multiple, "--bf16", "--half-matmul", "native", "--dropout", "0",
-                           "--cpu-length-multiple", multiple, "--max-update", "4", "--no-save")
+                           "--cpu-length-multiple", multiple, "--max-update", "4")
         runs[multiple] = [(float(r["loss"]), float(r["gnorm"])) for r in recs]
         said = "CPU batch lengths: padded to a multiple of 8 (--cpu-length-multiple 8; the padding is masked)"
         assert (said in proc.stdout + proc.stderr) == (multiple == "8")
     assert len(runs["8"]) == 4
     torch.testing.assert_close(runs["8"], runs["1"], atol=2e-3, rtol=0)
+    # the checkpoint's cfg does not carry the padding as if the user had asked for it
+    from fairseq import checkpoint_utils
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "8" / "checkpoint_last.pt"))
+    assert state["cfg"]["task"]["required_seq_len_multiple"] == 1

@@ -275,8 +275,7 @@ class TranslationFP16Task(TranslationTask):
         if given > 1:
             logger.info("CPU batch lengths: padded to a multiple of %d (--required-seq-len-multiple; "
                         "--cpu-length-multiple %s not applied)", given, cfg.cpu_length_multiple)
-        elif multiple > 1:
-            cfg.required_seq_len_multiple = multiple  # read by load_dataset
+        elif multiple > 1:  # set on each dataset (load_dataset), not in the cfg checkpoints save
             self._length_multiple = multiple
             logger.info("CPU batch lengths: padded to a multiple of %d (--cpu-length-multiple %s; "
                         "the padding is masked)", multiple, cfg.cpu_length_multiple)
@@ -299,6 +298,17 @@ class TranslationFP16Task(TranslationTask):
     @property
     def half_precision(self) -> bool:
         return self.half_dtype is not None
+
+    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
+        if self._length_multiple > 1:
+            dataset = self.datasets[split]
+            if not hasattr(dataset, "pad_to_multiple"):
+                raise RuntimeError(
+                    f"--cpu-length-multiple: fairseq's {type(dataset).__name__} has no "
+                    "pad_to_multiple (changed fairseq?); pass --cpu-length-multiple 1"
+                )
+            dataset.pad_to_multiple = self._length_multiple  # what its collater pads to
 
     # The CPU matmul mode is active exactly during these three steps.
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
