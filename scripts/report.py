@@ -260,8 +260,9 @@ def describe_machine(m: dict) -> str:
 
 def machine_lines(results) -> list:
     """The report's lines on where the runs ran, which CPU matrix-product path each half run
-    took and, when any run's were padded, how each run's batch lengths were. Runs recorded before result.json held a machine are listed as not recorded; runs on
-    different machines or versions get a warning, as their speed and memory do not compare."""
+    took and, when any run's were padded, how each run's batch lengths were. Runs recorded
+    before result.json held a machine are listed as not recorded; runs on different machines or
+    versions get a warning, as their speed and memory do not compare."""
     groups = {}
     for r in results:
         key = describe_machine(r["machine"]) if r.get("machine") else None
