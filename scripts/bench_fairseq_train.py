@@ -8,7 +8,8 @@ temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
 plugin, --half-matmul auto), their -native / -fp32acc variants, bf16-cache1024
 (--cpu-kernel-cache 1024: torch's default kernel-cache sizes), bf16-unpadded
 (--cpu-length-multiple 1: batch lengths as they are, where auto pads them on a CPU
-with AMX), bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
+with AMX), bf16-padded (--cpu-length-multiple 8: the AMX default, on any CPU),
+bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
 cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss) and fp32-fused
@@ -49,6 +50,7 @@ MODES = {
     "bf16-cache1024": ["--bf16", "--cpu-kernel-cache", "1024"],  # torch's own cache sizes
     # batch lengths (--cpu-length-multiple; auto pads where the products run on AMX tiles)
     "bf16-unpadded": ["--bf16", "--cpu-length-multiple", "1"],
+    "bf16-padded": ["--bf16", "--cpu-length-multiple", "8"],  # the AMX default, on any CPU
     "bf16-padded-cache64": ["--bf16", "--cpu-length-multiple", "8", "--cpu-kernel-cache", "64"],
     "fp16-padded": ["--fp16", "--cpu-length-multiple", "8"],
     "fp32-padded": ["--required-seq-len-multiple", "8"],  # fairseq's own flag: fp32 the same shapes
