@@ -357,6 +357,7 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
     ("debian-ende-avx2/lr-floor", dict(updates=1600, dropout=0.0, beam=1)),
     ("debian-ende-avx2/lr-floor-beam4", dict(updates=1600, dropout=0.0)),  # make demo's flags
     ("debian-ende-amx", dict(updates=1600, dropout=0.0)),  # make demo's flags
+    ("debian-ende-avx512", dict(updates=1600, dropout=0.0)),  # make demo's flags
     ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
 ])
 def test_demo_flags_are_those_of_the_committed_reports(results, flags):
@@ -412,7 +413,8 @@ def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
     assert by_precision(tmp_path, [runs[0], runs[1], runs[4]], 200) is None  # one seed each: no table
 
 
-@pytest.mark.parametrize("results", ["debian-ende", "debian-ende-avx2", "debian-ende-long", "debian-ende-amx"])
+@pytest.mark.parametrize("results", ["debian-ende", "debian-ende-avx2", "debian-ende-long", "debian-ende-amx",
+                                     "debian-ende-avx512"])
 def test_recipe_readme_quotes_the_committed_reports_bleu(results):
     # examples/translation/README.md's tables are copied from the committed reports: every run's
     # BLEU and p there must be the one in its summary.json (a rerun replaces both together).
