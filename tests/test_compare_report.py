@@ -358,6 +358,7 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
     ("debian-ende-avx2/lr-floor-beam4", dict(updates=1600, dropout=0.0)),  # make demo's flags
     ("debian-ende-amx", dict(updates=1600, dropout=0.0)),  # make demo's flags
     ("debian-ende-avx512", dict(updates=1600, dropout=0.0)),  # make demo's flags
+    ("debian-ende-avx512/fresh-clone", dict(updates=1600, dropout=0.0)),  # make demo's flags
     ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
 ])
 def test_demo_flags_are_those_of_the_committed_reports(results, flags):
