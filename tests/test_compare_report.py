@@ -360,6 +360,8 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
     ("debian-ende-avx512", dict(updates=1600, dropout=0.0)),  # make demo's flags
     ("debian-ende-avx512/fresh-clone", dict(updates=1600, dropout=0.0)),  # make demo's flags
     ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
+    ("debian-ende-long/current-code", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
+                                           schedule="inverse-sqrt")),
 ])
 def test_demo_flags_are_those_of_the_committed_reports(results, flags):
     # make demo (and the longer recipe's documented demo.py flags) reproduce the committed runs'
@@ -458,3 +460,23 @@ def test_decode_precision_decodes_each_run_in_the_other_precisions(compared, tmp
     assert "| fp16 | fp16 | " in proc.stdout and "fp32 decode, fp32 masters: " in proc.stdout
     proc = subprocess.run(cmd[:3] + ["--modes", "fp16,bf16"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--modes: bf16 not among the runs of" in proc.stderr
+
+
+def test_long_recipe_current_code_readme_quotes_its_report_and_decodes():
+    # results/debian-ende-long/README.md's current-code tables are copied from the committed
+    # summary.json and decode_precision.json: each run's BLEU, d BLEU and p, and each other decode.
+    folder = ROOT / "examples" / "translation" / "results" / "debian-ende-long"
+    readme = (folder / "README.md").read_text().replace("**", "")
+    summary = json.loads((folder / "current-code" / "summary.json").read_text())["runs"]
+    base = summary["fp32"]["bleu"]
+    for mode, run in summary.items():
+        d = "-" if mode == "fp32" else f"{run['bleu'] - base:+.2f}"
+        p = "-" if run["p_vs_fp32"] is None else f"{run['p_vs_fp32']:.3f}"
+        assert f"| {run['bleu']:.2f} | {d} | {p} |" in readme, (mode, run)
+    decodes = json.loads((folder / "current-code" / "decode_precision.json").read_text())["runs"]
+    assert list(decodes) == ["fp32", "bf16", "fp16"]
+    for mode, e in decodes.items():
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {mode} | {e['as_trained']['bleu']:.2f} |"))
+        for d in e["decodes"]:
+            assert f"{d['bleu']:.2f} (" in row, (mode, d, row)
+
