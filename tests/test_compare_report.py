@@ -476,7 +476,8 @@ def test_long_recipe_current_code_readme_quotes_its_report_and_decodes():
     decodes = json.loads((folder / "current-code" / "decode_precision.json").read_text())["runs"]
     assert list(decodes) == ["fp32", "bf16", "fp16"]
     for mode, e in decodes.items():
-        row = next(line for line in readme.splitlines() if line.startswith(f"| {mode} | {e['as_trained']['bleu']:.2f} |"))
+        head = f"| {mode} | {e['as_trained']['bleu']:.2f} |"
+        row = next(line for line in readme.splitlines() if line.startswith(head))
         for d in e["decodes"]:
             assert f"{d['bleu']:.2f} (" in row, (mode, d, row)
 
