@@ -1,0 +1,158 @@
+"""Average the weights of a run's last checkpoints into one checkpoint to decode.
+
+    python scripts/average_checkpoints.py OUT.pt IN.pt [IN.pt ...] [--data DIR]
+    python scripts/average_checkpoints.py OUT.pt --last N --dir SAVE_DIR [--data DIR]
+
+``--last N`` takes the N interval checkpoints of SAVE_DIR with the most updates
+(``checkpoint_<epoch>_<updates>.pt``, written by ``--save-interval-updates``; keep
+them with ``--keep-interval-updates N`` or more).
+
+Averaging the weights of the last checkpoints is the decoding recipe of the
+Transformer paper (Vaswani et al., 2017: the last 5 checkpoints, written every
+10 minutes, for the base model) and of fairseq's ``scripts/average_checkpoints.py``.
+On a run still learning at a high learning rate, as this project's CPU recipes
+are, the average also lies closer to where the optimizer is heading than the
+last step's weights do, which makes it less sensitive to the few last updates.
+
+What this script does that fairseq's does not: a checkpoint of a ``--fp16`` or
+``--bf16`` run is averaged from its fp32 master weights
+(``last_optimizer_state["master_params"]``, each checked to round to the
+model's weight), not from the weights the half model held, which are rounded to
+fp16 or bf16; the sum is taken in float64. All inputs must be of one precision
+and hold the same tensors.
+
+OUT is the last (most updates) input with its ``model`` replaced by the average,
+in fp32, and ``last_optimizer_state`` removed: the Adam moments and masters
+belong to none of the averaged weights. ``fairseq-generate`` decodes OUT as any
+checkpoint (``--fp16``/``--bf16`` round the averaged weights to the half model);
+``--restore-file OUT`` starts a new optimizer from the averaged weights.
+"""
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+
+import fairseq_fp16  # noqa: F401  (registers the task; allow-lists fairseq's globals for torch.load)
+from export_fp32_checkpoint import checkpoint_names, put_masters, saved_masters
+
+INTERVAL_CHECKPOINT = re.compile(r"checkpoint_(\d+)_(\d+)\.pt")
+
+
+def last_interval_checkpoints(save_dir: Path, n: int) -> List[Path]:
+    """The ``n`` interval checkpoints of ``save_dir`` with the most updates, oldest first.
+
+    Raises:
+        ValueError: when ``n`` < 1 or ``save_dir`` holds fewer than ``n`` of them.
+    """
+    if n < 1:
+        raise ValueError(f"--last must be >= 1, got {n}")
+    found = sorted((int(m[2]), p) for p in Path(save_dir).glob("checkpoint_*_*.pt")
+                   if (m := INTERVAL_CHECKPOINT.fullmatch(p.name)))
+    if len(found) < n:
+        raise ValueError(f"{save_dir} holds {len(found)} interval checkpoint(s) "
+                         f"(checkpoint_<epoch>_<updates>.pt), fewer than the {n} to average: train with "
+                         f"--save-interval-updates K --keep-interval-updates {n}")
+    return [p for _, p in found[-n:]]
+
+
+def _weights(path: Path, names, data):
+    """(state, precision, from masters, parameter names): a half run's weights are its fp32
+    masters where it saved them, else the rounded weights its half model held."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    precision, masters = saved_masters(state)
+    if precision is not None:
+        names = names or checkpoint_names(path, data)
+        put_masters(path, state["model"], precision, masters, names)
+        return state, precision, True, names
+    common = (state.get("cfg") or {}).get("common") or {}
+    precision = "fp16" if common.get("fp16") else "bf16" if common.get("bf16") else "fp32"
+    return state, precision, False, names
+
+
+def _kind(precision: str, from_masters: bool) -> str:
+    return precision + (" (fp32 masters)" if from_masters else " (no masters saved)" if precision != "fp32" else "")
+
+
+def average(paths: Sequence[Path], dst: Path, data: str = None) -> Dict[str, object]:
+    """Write ``dst``: the last of ``paths`` with its model weights the mean of all of theirs.
+
+    Returns ``precision``, ``masters`` (True: a half run's fp32 masters were averaged;
+    False: an fp32 run, or a half run saved without them, whose rounded weights were),
+    ``n`` (checkpoints averaged), ``updates`` (each one's ``num_updates``) and ``tensors``
+    (state-dict entries averaged).
+
+    Raises:
+        ValueError: when ``paths`` is empty or names a missing file, mixes precisions, or its
+            checkpoints do not hold the same tensors (names, shapes, dtypes); when a half
+            run's model cannot be built for lack of its data directory (pass ``data``).
+    """
+    if not paths:
+        raise ValueError("no checkpoint to average")
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if missing:
+        raise ValueError(f"no such checkpoint: {', '.join(missing)}")
+    names, total, first, state, updates = None, None, None, None, []
+    for path in paths:
+        state, prec, from_masters, names = _weights(Path(path), names, data)
+        weights = state["model"]
+        updates.append(state.get("optimizer_history", [{}])[-1].get("num_updates"))
+        if total is None:
+            precision, masters, first = prec, from_masters, path
+            total = {k: v.to(torch.float64) if v.is_floating_point() else v.clone() for k, v in weights.items()}
+            continue
+        if (prec, from_masters) != (precision, masters):
+            raise ValueError(f"{path} is an {_kind(prec, from_masters)} checkpoint, {first} an "
+                             f"{_kind(precision, masters)} one: average the checkpoints of one run")
+        if weights.keys() != total.keys():
+            diff = sorted(weights.keys() ^ total.keys())
+            raise ValueError(f"{path} and {first} hold different tensors (e.g. {diff[0]!r}): average the "
+                             "checkpoints of one run")
+        for k, v in weights.items():
+            if v.shape != total[k].shape or v.is_floating_point() != total[k].is_floating_point():
+                raise ValueError(f"{path}: {k!r} is {v.dtype} {tuple(v.shape)}, in {first} "
+                                 f"{total[k].dtype} {tuple(total[k].shape)}: average the checkpoints of one run")
+            if v.is_floating_point():
+                total[k] += v.to(torch.float64)
+            elif not torch.equal(v, total[k]):
+                raise ValueError(f"{path}: the integer tensor {k!r} differs from {first}'s, so it cannot "
+                                 "be averaged: average the checkpoints of one run")
+    n = len(paths)
+    state["model"] = {k: (v / n).to(torch.float32) if v.is_floating_point() else v for k, v in total.items()}
+    state.pop("last_optimizer_state", None)
+    torch.save(state, dst)
+    return {"precision": precision, "masters": masters, "n": n, "updates": updates, "tensors": len(total)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("dst", type=Path, help="where to write the averaged checkpoint")
+    ap.add_argument("src", type=Path, nargs="*", help="checkpoints of one run")
+    ap.add_argument("--last", type=int, help="average the N interval checkpoints of --dir with the most updates")
+    ap.add_argument("--dir", type=Path, help="a run's --save-dir (with --last)")
+    ap.add_argument("--data", help="data directory for the task's dictionaries "
+                    "(default: the one the checkpoints were trained on)")
+    a = ap.parse_args(argv)
+    if (a.last is None) == (not a.src):
+        ap.error("give either checkpoints or --last N --dir SAVE_DIR")
+    if a.last is not None and a.dir is None:
+        ap.error("--last needs --dir SAVE_DIR")
+    try:
+        paths = a.src or last_interval_checkpoints(a.dir, a.last)
+        if any(p.resolve() == a.dst.resolve() for p in paths):
+            ap.error(f"dst {a.dst} is one of the checkpoints to average")
+        s = average(paths, a.dst, a.data)
+    except ValueError as e:
+        sys.exit(f"average_checkpoints: {e}")
+    print(f"{a.dst}: the mean of {s['n']} {s['precision']} checkpoints (updates "
+          f"{', '.join(map(str, s['updates']))}; {s['tensors']} tensors"
+          + (", from the fp32 masters)" if s["masters"] else
+             ", from the rounded weights: no fp32 masters saved)" if s["precision"] != "fp32" else ")"))
+
+
+if __name__ == "__main__":
+    main()
