@@ -21,9 +21,15 @@ difference to fp32 shows how much two trainings differ without any change of
 precision. Do not put --task, --optimizer, --seed, --save-dir or precision
 flags in --train-args.
 
+``--average-last N`` scores each run by the average of the weights of its
+last N interval checkpoints (``scripts/average_checkpoints.py``: a half run's
+averaged from its fp32 master weights) and also decodes its last checkpoint,
+which the report scores beside it.
+
 ``--keep-existing`` keeps the runs OUT holds (same data and flags) and runs
 the missing modes; with ``--redecode`` the kept runs are decoded again from
-their last checkpoint with new decoding flags, their training unchanged.
+their checkpoints with new decoding flags (or another ``--average-last``),
+their training unchanged.
 """
 
 import argparse
@@ -51,7 +57,9 @@ MODE_SPEC = re.compile(r"^(?P<base>[a-z0-9-]+?)(?:@seed(?P<seed>\d+))?$")
 #: settings.json keys that change training: --keep-existing needs them unchanged
 TRAIN_SETTINGS = ("data", "train_args", "seed")
 #: settings.json keys that only change decoding: --redecode may change them for kept runs
-DECODE_SETTINGS = ("gen_args", "gen_subset", "short_max_words")
+DECODE_SETTINGS = ("gen_args", "gen_subset", "short_max_words", "average_last")
+#: what a settings.json written before a key existed meant by its absence
+SETTING_DEFAULTS = {"average_last": 0}
 #: translation_fp16's log line on the CPU matrix-product path a half-precision run took
 HALF_MATMUL_LOG = re.compile(r"CPU (?:fp16|bf16) matrix products: (.+?) \((--half-matmul \S+)\)")
 #: its check of the first training step under fp32 accumulation: products left on native kernels
@@ -63,6 +71,18 @@ PADDED_LENGTHS_LOG = re.compile(r"CPU batch lengths: padded to a multiple of (\d
 #: translation_fp16's log line when the criterion takes the fused loss (--fused-loss)
 FUSED_LOSS_LOG = re.compile(r"--fused-loss (?:auto|on): \S+ computes its loss from the logits")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
+
+
+def flag_value(tokens, flag: str):
+    """The value of ``flag`` in a split command line (``--flag V`` or ``--flag=V``, the last one
+    wins, as in argparse); None when it is absent."""
+    value = None
+    for i, t in enumerate(tokens):
+        if t == flag and i + 1 < len(tokens):
+            value = tokens[i + 1]
+        elif t.startswith(flag + "="):
+            value = t[len(flag) + 1:]
+    return value
 
 
 def banner(text: str) -> None:
@@ -184,19 +204,42 @@ def generate_args(data, task: str, plugin, ckpt, subset: str, results: Path, gen
             "--required-batch-size-multiple", "1", *shlex.split(gen_args), *flags]
 
 
-def decode(mode: str, spec: dict, a, run_dir: Path) -> dict:
-    """Decode ``a.gen_subset`` with the run's last checkpoint and score it: result.json's "generate"."""
-    ckpt = run_dir / "checkpoints" / "checkpoint_last.pt"
+def average_last(mode: str, run_dir: Path, n: int, data) -> dict:
+    """Average the run's last ``n`` interval checkpoints (scripts/average_checkpoints.py: a half
+    run's from its fp32 masters) into ``checkpoints/checkpoint_avg.pt``; returns what was averaged."""
+    ckpt_dir = run_dir / "checkpoints"
+    dst = ckpt_dir / "checkpoint_avg.pt"
+    banner(f"[{mode}] averaging the last {n} checkpoints' weights: scripts/average_checkpoints.py")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "average_checkpoints.py"), str(dst),
+                           "--last", str(n), "--dir", str(ckpt_dir), "--data", str(data)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"[{mode}] averaging failed: {proc.stderr.strip().splitlines()[-1]}")
+    line = proc.stdout.strip().splitlines()[-1]
+    print(f"   {line}", flush=True)
+    m = re.search(r"\(updates ([\d, ]+);", line)
+    return {"n": n, "updates": [int(u) for u in m.group(1).split(", ")] if m else None,
+            "from_masters": "from the fp32 masters" in line}
+
+
+def decode(mode: str, spec: dict, a, run_dir: Path, ckpt_name: str = "checkpoint_last.pt",
+           tag: str = "") -> dict:
+    """Decode ``a.gen_subset`` with one of the run's checkpoints and score it: result.json's
+    "generate" (``tag`` "": the checkpoint the run is scored by) or "generate_last"
+    (``tag`` "-last": the last checkpoint, when the run is scored by an average)."""
+    ckpt = run_dir / "checkpoints" / ckpt_name
     if not ckpt.is_file():
         raise SystemExit(f"[{mode}] no checkpoint to decode: {ckpt} is missing")
     task, plugin = task_and_plugin(spec)
-    banner(f"[{mode}] decoding the {a.gen_subset} split: fairseq-generate {' '.join(spec['flags']) or '(fp32)'}")
-    gen_dir = run_dir / "generate"
+    what = "the averaged checkpoint" if ckpt_name == "checkpoint_avg.pt" else "the last checkpoint"
+    banner(f"[{mode}] decoding the {a.gen_subset} split with {what}: fairseq-generate "
+           f"{' '.join(spec['flags']) or '(fp32)'}")
+    gen_dir = run_dir / f"generate{tag}"
     gen_args = generate_args(a.data, task, plugin, ckpt, a.gen_subset, gen_dir, a.gen_args, spec["flags"])
-    g_stats = run_with_stats(run_dir / "generate_stats.json", "fairseq-generate", gen_args,
-                             run_dir / "generate.out")
+    g_stats = run_with_stats(run_dir / f"generate{tag}_stats.json", "fairseq-generate", gen_args,
+                             run_dir / f"generate{tag}.out")
     hyps, refs, srcs = read_generate_output(gen_dir / f"generate-{a.gen_subset}.txt")
-    (run_dir / "hyps.txt").write_text("".join(h + "\n" for h in hyps))
+    (run_dir / f"hyps{tag}.txt").write_text("".join(h + "\n" for h in hyps))
     (run_dir / "refs.txt").write_text("".join(r + "\n" for r in refs))
     scores = score(hyps, refs)
     print(f"   [{mode}] BLEU {scores['bleu']}  chrF {scores['chrf']}  ({len(hyps)} sentences)",
@@ -208,7 +251,18 @@ def decode(mode: str, spec: dict, a, run_dir: Path) -> dict:
         print(f"   [{mode}] sources of <= {a.short_max_words} words: BLEU {scores['short']['bleu']}  "
               f"chrF {scores['short']['chrf']}  ({len(ids)} sentences)", flush=True)
     return {"wall_s": round(g_stats["wall_s"], 2), "subset": a.gen_subset, "n_sentences": len(hyps),
-            "gen_args": a.gen_args, "hyps_file": "hyps.txt", "refs_file": "refs.txt", **scores}
+            "gen_args": a.gen_args, "checkpoint": ckpt_name, "hyps_file": f"hyps{tag}.txt",
+            "refs_file": "refs.txt", **scores}
+
+
+def decode_run(mode: str, spec: dict, a, run_dir: Path) -> dict:
+    """result.json's decoding entries: "generate" (the last checkpoint, or with ``--average-last N``
+    the average of the last N, then also "generate_last" and "averaged")."""
+    if not a.average_last:
+        return {"generate": decode(mode, spec, a, run_dir)}
+    averaged = average_last(mode, run_dir, a.average_last, a.data)
+    return {"averaged": averaged, "generate": decode(mode, spec, a, run_dir, "checkpoint_avg.pt"),
+            "generate_last": decode(mode, spec, a, run_dir, tag="-last")}
 
 
 def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
@@ -275,7 +329,7 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
             "valid": [dict(v, wall=wall_at(v.get("num_updates", 0))) for v in log["valid"]],
             "epochs": log["train"],
         },
-        "generate": decode(mode, spec, a, run_dir),
+        **decode_run(mode, spec, a, run_dir),
     }
     (run_dir / "result.json").write_text(json.dumps(result, indent=1))
     return result
@@ -295,14 +349,20 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-subset", default="test")
     ap.add_argument("--short-max-words", type=int, default=0,
                     help="also score the sentences whose source has at most N words (0 = off)")
+    ap.add_argument("--average-last", type=int, default=0, metavar="N",
+                    help="score each run by the average of its last N interval checkpoints' weights "
+                    "(scripts/average_checkpoints.py: a half run's from its fp32 masters) and also decode "
+                    "its last checkpoint; --train-args must save them (--save-interval-updates K "
+                    "--keep-interval-updates N or more, or -1, fairseq's default: all). 0 (default): score the last "
+                    "checkpoint")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep-existing", action="store_true",
                     help="keep the runs OUT already holds (result.json) when OUT was made with the same "
                     "data and flags, and run only the missing modes (e.g. add fp32@seed2 to a finished comparison)")
     ap.add_argument("--redecode", action="store_true",
-                    help="with --keep-existing: decode the kept runs again from their last checkpoint with "
-                    "this --gen-args, --gen-subset and --short-max-words, keeping their training (e.g. "
-                    "another --lenpen, chosen on the valid split)")
+                    help="with --keep-existing: decode the kept runs again from their checkpoints with "
+                    "this --gen-args, --gen-subset, --short-max-words and --average-last, keeping their "
+                    "training (e.g. another --lenpen, chosen on the valid split)")
     a = ap.parse_args(argv)
     if a.redecode and not a.keep_existing:
         ap.error("--redecode needs --keep-existing: it decodes the runs OUT already holds")
@@ -322,17 +382,29 @@ def main(argv=None) -> None:
         ap.error(f"data directory not found: {a.data}")
     if a.short_max_words < 0:
         ap.error(f"--short-max-words must be >= 0 (0 = off), got {a.short_max_words}")
+    if a.average_last < 0:
+        ap.error(f"--average-last must be >= 0 (0 = off), got {a.average_last}")
+    if a.average_last:
+        tokens = shlex.split(a.train_args)
+        every, keep_n = flag_value(tokens, "--save-interval-updates"), flag_value(tokens, "--keep-interval-updates")
+        if not every or not every.isdigit() or int(every) <= 0:
+            ap.error(f"--average-last {a.average_last} needs interval checkpoints: add --save-interval-updates K "
+                     f"--keep-interval-updates {a.average_last} to --train-args")
+        if keep_n is not None and 0 <= int(keep_n) < a.average_last:  # fairseq's default -1 keeps all
+            ap.error(f"--average-last {a.average_last} needs --keep-interval-updates {a.average_last} or more "
+                     f"in --train-args, not {keep_n}")
     runs = [("fp32", "fp32", a.seed)] + list(dict.fromkeys(p for p in parsed if p[0] != "fp32"))
     modes = [name for name, _, _ in runs]
     a.out.mkdir(parents=True, exist_ok=True)
     settings = {"data": str(a.data), "modes": modes, "train_args": a.train_args, "gen_args": a.gen_args,
-                "gen_subset": a.gen_subset, "short_max_words": a.short_max_words, "seed": a.seed,
+                "gen_subset": a.gen_subset, "short_max_words": a.short_max_words,
+                "average_last": a.average_last, "seed": a.seed,
                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     keep = set()
     if a.keep_existing and (a.out / "settings.json").exists():
         old = json.loads((a.out / "settings.json").read_text())
         differ = [k for k in (*TRAIN_SETTINGS, *(() if a.redecode else DECODE_SETTINGS))
-                  if old.get(k) != settings[k]]
+                  if old.get(k, SETTING_DEFAULTS.get(k)) != settings[k]]
         if differ:
             hint = ("" if a.redecode or set(TRAIN_SETTINGS) & set(differ)
                     else " (or --redecode to decode the kept runs with the new ones)")
@@ -346,7 +418,9 @@ def main(argv=None) -> None:
             banner(f"[{name}] kept: {a.out / name / 'result.json'}")
             result = json.loads((a.out / name / "result.json").read_text())
             if a.redecode:
-                result["generate"] = decode(name, MODES[base], a, a.out / name)
+                for key in ("averaged", "generate_last"):
+                    result.pop(key, None)
+                result.update(decode_run(name, MODES[base], a, a.out / name))
                 (a.out / name / "result.json").write_text(json.dumps(result, indent=1))
             results.append(result)
         else:

@@ -32,16 +32,18 @@ def load_results(out: Path):
     return settings, results
 
 
-def paired_bootstrap(out: Path, results, n_samples: int, ids=None):
+def paired_bootstrap(out: Path, results, n_samples: int, ids=None, decoded="generate"):
     """{mode: p_value} of each run against the first (fp32), from sacrebleu's paired bootstrap.
 
-    ``ids``: score only these sentence indices (the short-source subset).
+    ``ids``: score only these sentence indices (the short-source subset). ``decoded``: the
+    result.json entry whose hypotheses are compared ("generate_last": the last checkpoints' of
+    runs scored by an average of checkpoints).
     """
     from sacrebleu.metrics import BLEU
     from sacrebleu.significance import PairedTest
 
     def lines(r, key):
-        text = (out / r["mode"] / r["generate"][key]).read_text().splitlines()
+        text = (out / r["mode"] / r[decoded][key]).read_text().splitlines()
         return text if ids is None else [text[i] for i in ids]
 
     refs = lines(results[0], "refs_file")
@@ -114,6 +116,41 @@ def short_table(results, pvals):
     lines = ["| " + " | ".join(SHORT_COLUMNS) + " |", "|" + "---|" * len(SHORT_COLUMNS)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+LAST_COLUMNS = ["mode", "BLEU", "d BLEU", "p (vs fp32)", "chrF", "averaged BLEU", "gain"]
+
+
+def last_table(results, pvals):
+    """The last checkpoint's scores of runs scored by an average of checkpoints (compare.py
+    --average-last), beside the average's."""
+    base = results[0]["generate_last"]
+    rows = []
+    for r in results:
+        g, avg = r["generate_last"], r["generate"]
+        p = pvals.get(r["mode"])
+        rows.append([r["mode"], fmt(g["bleu"]), "-" if r is results[0] else f"{g['bleu'] - base['bleu']:+.2f}",
+                     "-" if p is None else f"{p:.3f}", fmt(g["chrf"]), fmt(avg["bleu"]),
+                     f"{avg['bleu'] - g['bleu']:+.2f}"])
+    lines = ["| " + " | ".join(LAST_COLUMNS) + " |", "|" + "---|" * len(LAST_COLUMNS)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def averaged_line(results) -> str:
+    """What the runs' BLEU was decoded from, when it is an average of checkpoints; "" otherwise."""
+    avgs = {r["mode"]: r["averaged"] for r in results if r.get("averaged")}
+    if not avgs:
+        return ""
+    kinds = {(a["n"], tuple(a["updates"] or ())) for a in avgs.values()}
+    if len(kinds) == 1 and len(avgs) == len(results):
+        n, updates = kinds.pop()
+        which = f"the last {n} checkpoints (updates {', '.join(map(str, updates))})"
+    else:
+        which = "; ".join(f"{m}: the last {a['n']} checkpoints (updates {', '.join(map(str, a['updates'] or ()))})"
+                          for m, a in avgs.items())
+    return (f"- Decoded checkpoint: each run's weights averaged over {which}, a half run's from its fp32 "
+            "master weights (scripts/average_checkpoints.py); its last checkpoint is scored below.")
 
 
 def base_mode(r) -> str:
@@ -435,6 +472,8 @@ def main(argv=None) -> None:
         f"- p: sacrebleu paired bootstrap ({a.bootstrap} resamples) of each run against fp32; "
         "p > 0.05 means the BLEU difference is within resampling noise (1.000: identical output).",
     ]
+    if averaged_line(results):
+        md.append(averaged_line(results))
     controls = [r for r in results[1:] if r.get("seed", settings.get("seed")) != results[0].get("seed")]
     for r in controls:
         base = base_mode(r)
@@ -471,12 +510,20 @@ def main(argv=None) -> None:
         md += [f"Sentences whose source has at most {short['max_words']} words "
                f"({short['n_sentences']} of {g0['n_sentences']}), scored the same way:", "",
                short_table(results, short_p), ""]
+    last_p = {}
+    if all("generate_last" in r for r in results):
+        last_p = paired_bootstrap(a.out, results, a.bootstrap, decoded="generate_last")
+        md += ["The last checkpoint of each run (not averaged), scored the same way; *gain*: the averaged "
+               "checkpoint's BLEU minus the last one's:", "", last_table(results, last_p), ""]
     md += [f"![{p}]({p})" for p in pngs]
     (a.out / "report.md").write_text("\n".join(md) + "\n")
     runs = {r["mode"]: {"bleu": r["generate"]["bleu"], "p_vs_fp32": pvals.get(r["mode"]),
                         "words_per_s": r["train"]["words_per_s"], mem_key: r["train"][mem_key]}
             for r in results}
     for r in results:
+        if "generate_last" in r:
+            runs[r["mode"]]["last_bleu"] = r["generate_last"]["bleu"]
+            runs[r["mode"]]["last_p_vs_fp32"] = last_p.get(r["mode"])
         if "short" in r["generate"]:
             runs[r["mode"]]["short_bleu"] = r["generate"]["short"]["bleu"]
             runs[r["mode"]]["short_p_vs_fp32"] = short_p.get(r["mode"])
@@ -486,6 +533,8 @@ def main(argv=None) -> None:
     print(tab)
     if short:
         print(f"\nsources of <= {short['max_words']} words:\n" + short_table(results, short_p))
+    if last_p or all("generate_last" in r for r in results):
+        print("\nlast checkpoints (not averaged):\n" + last_table(results, last_p))
     print(f"\nreport: {a.out / 'report.md'}")
     print("plots:  " + ", ".join(str(a.out / p) for p in pngs))
 

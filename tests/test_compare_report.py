@@ -481,3 +481,82 @@ def test_long_recipe_current_code_readme_quotes_its_report_and_decodes():
         for d in e["decodes"]:
             assert f"{d['bleu']:.2f} (" in row, (mode, d, row)
 
+
+
+def test_average_last_scores_the_averaged_checkpoint_beside_the_last(compared, toy_data, tmp_path):
+    src, _ = compared
+    settings = json.loads((src / "settings.json").read_text())
+    base = ["--train-args", settings["train_args"].replace("--max-update 30", "--max-update 30 --save-interval-updates 10"),
+            "--gen-args", "--beam 1 --cpu"]
+    out = tmp_path / "avg"
+    cmd = [sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out, "--modes", "fp16",
+           *base, "--average-last", "2"]
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    assert "averaging the last 2 checkpoints' weights" in proc.stdout
+    for mode, masters in (("fp32", False), ("fp16", True)):
+        r = json.loads((out / mode / "result.json").read_text())
+        assert r["averaged"] == {"n": 2, "updates": [20, 30], "from_masters": masters}
+        g, last = r["generate"], r["generate_last"]
+        assert (g["checkpoint"], g["hyps_file"]) == ("checkpoint_avg.pt", "hyps.txt")
+        assert (last["checkpoint"], last["hyps_file"]) == ("checkpoint_last.pt", "hyps-last.txt")
+        refs = (out / mode / "refs.txt").read_text().splitlines()
+        for entry in (g, last):
+            hyps = (out / mode / entry["hyps_file"]).read_text().splitlines()
+            assert len(hyps) == 100 and entry["bleu"] == round(BLEU().corpus_score(hyps, [refs]).score, 2)
+        assert "checkpoint_avg.pt" in (out / mode / "generate.out").read_text().split("\n", 1)[0]
+        assert "checkpoint_last.pt" in (out / mode / "generate-last.out").read_text().split("\n", 1)[0]
+        # a different model (30 updates of a lr-1e-2 warm-up move the weights): other outputs
+        assert (out / mode / "hyps.txt").read_text() != (out / mode / "hyps-last.txt").read_text()
+    assert json.loads((out / "settings.json").read_text())["average_last"] == 2
+    rep = subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "50"],
+                         check=True, capture_output=True, text=True)
+    md = (out / "report.md").read_text()
+    assert ("- Decoded checkpoint: each run's weights averaged over the last 2 checkpoints (updates 20, 30), "
+            "a half run's from its fp32 master weights (scripts/average_checkpoints.py)") in md
+    assert "| mode | BLEU | d BLEU | p (vs fp32) | chrF | averaged BLEU | gain |" in md
+    r16, r32 = (json.loads((out / m / "result.json").read_text()) for m in ("fp16", "fp32"))
+    gain = f"{r16['generate']['bleu'] - r16['generate_last']['bleu']:+.2f}"
+    assert f"| fp16 | {r16['generate_last']['bleu']:.2f} | " in md and md.count(f" | {gain} |") >= 1
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs["fp16"]["last_bleu"] == r16["generate_last"]["bleu"] and runs["fp32"]["last_p_vs_fp32"] is None
+    assert 0 < runs["fp16"]["last_p_vs_fp32"] <= 1
+    assert "last checkpoints (not averaged):" in rep.stdout
+    # redecoding without averaging drops the averaged entries
+    proc = subprocess.run(cmd[:-2] + ["--keep-existing", "--redecode"], check=True, capture_output=True, text=True)
+    r = json.loads((out / "fp16" / "result.json").read_text())
+    assert "averaged" not in r and "generate_last" not in r and r["generate"]["checkpoint"] == "checkpoint_last.pt"
+    assert r["generate"]["bleu"] == r16["generate_last"]["bleu"]
+
+
+def test_settings_from_before_average_last_keep_their_runs(compared, toy_data, tmp_path):
+    src, _ = compared
+    out = tmp_path / "cmp"
+    shutil.copytree(src, out)
+    settings = json.loads((out / "settings.json").read_text())
+    del settings["average_last"]  # as compare.py wrote it before the flag existed: the last checkpoint
+    (out / "settings.json").write_text(json.dumps(settings))
+    cmd = [sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out, "--modes", "fp16,fp32@seed2",
+           "--train-args", settings["train_args"], "--gen-args", settings["gen_args"], "--short-max-words", "7",
+           "--keep-existing"]
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    assert proc.stdout.count("] kept: ") == 3 and "training" not in proc.stdout
+
+
+def test_average_last_needs_the_interval_checkpoints(toy_data, tmp_path):
+    def run(train_args, n="2"):
+        return subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", tmp_path,
+                               "--train-args", train_args, "--average-last", n], capture_output=True, text=True)
+    proc = run("--max-update 30")
+    assert proc.returncode == 2 and ("--average-last 2 needs interval checkpoints: add --save-interval-updates K "
+                                     "--keep-interval-updates 2 to --train-args") in proc.stderr
+    proc = run("--max-update 30 --save-interval-updates 10 --keep-interval-updates 1")
+    assert proc.returncode == 2 and ("--average-last 2 needs --keep-interval-updates 2 or more in --train-args, "
+                                     "not 1") in proc.stderr
+    proc = run("--max-update 30", n="-1")
+    assert proc.returncode == 2 and "--average-last must be >= 0 (0 = off), got -1" in proc.stderr
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from compare import flag_value
+
+    assert flag_value(["--a", "1", "--keep-interval-updates=3", "--keep-interval-updates", "4"],
+                      "--keep-interval-updates") == "4"
+    assert flag_value(["--keep-interval-updates-x", "3"], "--keep-interval-updates") is None
