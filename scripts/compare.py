@@ -214,7 +214,8 @@ def average_last(mode: str, run_dir: Path, n: int, data) -> dict:
                            "--last", str(n), "--dir", str(ckpt_dir), "--data", str(data)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"[{mode}] averaging failed: {proc.stderr.strip().splitlines()[-1]}")
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise SystemExit(f"[{mode}] averaging failed: {why}")
     line = proc.stdout.strip().splitlines()[-1]
     print(f"   {line}", flush=True)
     m = re.search(r"\(updates ([\d, ]+);", line)

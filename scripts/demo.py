@@ -12,7 +12,7 @@
    the same number of updates each),
    averages the weights of each run's last two checkpoints (updates 1,500 and
    1,600; a half run's fp32 masters: scripts/average_checkpoints.py; chosen
-   on the valid split, it added 0.4-1.2 BLEU to every run), decodes the whole
+   on the valid split, it added 0.3-1.2 BLEU to every run), decodes the whole
    test split with the average and with the last checkpoint, beam 4 (chosen on
    the valid split; greedy decoding widened the gaps between runs), and scores
    both with sacrebleu, also on the sentences with short sources;

@@ -6,7 +6,9 @@
 Writes ``OUT/report.md`` (one table, the runs side by side with ratios to
 fp32, and sacrebleu's paired bootstrap test of each mixed-precision run
 against fp32) and ``OUT/valid_loss_updates.png``, ``OUT/valid_loss_wall.png``,
-``OUT/loss_scale.png``, ``OUT/throughput.png``. Prints the table.
+``OUT/loss_scale.png``, ``OUT/throughput.png``. Prints the table. Runs scored by an
+average of checkpoints (``compare.py --average-last N``) get a second table: their
+last checkpoints, with their own paired bootstrap.
 """
 
 import argparse
@@ -533,7 +535,7 @@ def main(argv=None) -> None:
     print(tab)
     if short:
         print(f"\nsources of <= {short['max_words']} words:\n" + short_table(results, short_p))
-    if last_p or all("generate_last" in r for r in results):
+    if all("generate_last" in r for r in results):
         print("\nlast checkpoints (not averaged):\n" + last_table(results, last_p))
     print(f"\nreport: {a.out / 'report.md'}")
     print("plots:  " + ", ".join(str(a.out / p) for p in pngs))
