@@ -99,7 +99,7 @@ def test_averaged_checkpoint_decodes_in_every_precision(toy_data, fp16_run, tmp_
     assert 50 <= sum(hyps[k] == ref[k] for k in ref) < 100
 
 
-def test_fp32_run_averages_its_weights_and_refuses_mixing(toy_data, fp16_run, tmp_path, capsys):
+def test_fp32_run_averages_its_weights_and_refuses_mixing(toy_data, fp16_run, tmp_path):
     from average_checkpoints import average, last_interval_checkpoints, main
 
     train(toy_data, tmp_path / "fp32", "--max-update", "4", "--save-interval-updates", "2",
