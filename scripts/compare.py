@@ -391,7 +391,8 @@ def main(argv=None) -> None:
         if not every or not every.isdigit() or int(every) <= 0:
             ap.error(f"--average-last {a.average_last} needs interval checkpoints: add --save-interval-updates K "
                      f"--keep-interval-updates {a.average_last} to --train-args")
-        if keep_n is not None and 0 <= int(keep_n) < a.average_last:  # fairseq's default -1 keeps all
+        if keep_n is not None and (not keep_n.lstrip("-").isdigit()  # fairseq's default -1 keeps all
+                                   or 0 <= int(keep_n) < a.average_last):
             ap.error(f"--average-last {a.average_last} needs --keep-interval-updates {a.average_last} or more "
                      f"in --train-args, not {keep_n}")
     runs = [("fp32", "fp32", a.seed)] + list(dict.fromkeys(p for p in parsed if p[0] != "fp32"))

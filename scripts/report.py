@@ -474,8 +474,9 @@ def main(argv=None) -> None:
         f"- p: sacrebleu paired bootstrap ({a.bootstrap} resamples) of each run against fp32; "
         "p > 0.05 means the BLEU difference is within resampling noise (1.000: identical output).",
     ]
-    if averaged_line(results):
-        md.append(averaged_line(results))
+    averaged = averaged_line(results)
+    if averaged:
+        md.append(averaged)
     controls = [r for r in results[1:] if r.get("seed", settings.get("seed")) != results[0].get("seed")]
     for r in controls:
         base = base_mode(r)
