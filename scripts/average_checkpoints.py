@@ -2,6 +2,7 @@
 
     python scripts/average_checkpoints.py OUT.pt IN.pt [IN.pt ...] [--data DIR]
     python scripts/average_checkpoints.py OUT.pt --last N --dir SAVE_DIR [--data DIR]
+    ... [--summary OUT.json]
 
 ``--last N`` takes the N interval checkpoints of SAVE_DIR with the most updates
 (``checkpoint_<epoch>_<updates>.pt``, written by ``--save-interval-updates``; keep
@@ -26,9 +27,12 @@ in fp32, and ``last_optimizer_state`` removed: the Adam moments and masters
 belong to none of the averaged weights. ``fairseq-generate`` decodes OUT as any
 checkpoint (``--fp16``/``--bf16`` round the averaged weights to the half model);
 ``--restore-file OUT`` starts a new optimizer from the averaged weights.
+``--summary`` writes what was averaged as JSON (``average``'s return value and
+the input paths): ``scripts/compare.py`` reads it.
 """
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -136,6 +140,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", type=Path, help="a run's --save-dir (with --last)")
     ap.add_argument("--data", help="data directory for the task's dictionaries "
                     "(default: the one the checkpoints were trained on)")
+    ap.add_argument("--summary", type=Path, help="write what was averaged to this JSON file")
     a = ap.parse_args(argv)
     if (a.last is None) == (not a.src):
         ap.error("give either checkpoints or --last N --dir SAVE_DIR")
@@ -148,6 +153,9 @@ def main(argv=None) -> None:
         s = average(paths, a.dst, a.data)
     except ValueError as e:
         sys.exit(f"average_checkpoints: {e}")
+    if a.summary:
+        a.summary.write_text(json.dumps({**s, "checkpoints": [str(p) for p in paths], "dst": str(a.dst)},
+                                        indent=1) + "\n")
     print(f"{a.dst}: the mean of {s['n']} {s['precision']} checkpoints (updates "
           f"{', '.join(map(str, s['updates']))}; {s['tensors']} tensors"
           + (", from the fp32 masters)" if s["masters"] else

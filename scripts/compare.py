@@ -210,17 +210,17 @@ def average_last(mode: str, run_dir: Path, n: int, data) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     dst = ckpt_dir / "checkpoint_avg.pt"
     banner(f"[{mode}] averaging the last {n} checkpoints' weights: scripts/average_checkpoints.py")
+    summary = ckpt_dir / "checkpoint_avg.json"
+    summary.unlink(missing_ok=True)  # a kept run's, from an earlier --average-last
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "average_checkpoints.py"), str(dst),
-                           "--last", str(n), "--dir", str(ckpt_dir), "--data", str(data)],
-                          capture_output=True, text=True)
+                           "--last", str(n), "--dir", str(ckpt_dir), "--data", str(data),
+                           "--summary", str(summary)], capture_output=True, text=True)
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise SystemExit(f"[{mode}] averaging failed: {why}")
-    line = proc.stdout.strip().splitlines()[-1]
-    print(f"   {line}", flush=True)
-    m = re.search(r"\(updates ([\d, ]+);", line)
-    return {"n": n, "updates": [int(u) for u in m.group(1).split(", ")] if m else None,
-            "from_masters": "from the fp32 masters" in line}
+    print(f"   {proc.stdout.strip().splitlines()[-1]}", flush=True)
+    s = json.loads(summary.read_text())
+    return {"n": s["n"], "updates": s["updates"], "from_masters": s["masters"]}
 
 
 def decode(mode: str, spec: dict, a, run_dir: Path, ckpt_name: str = "checkpoint_last.pt",

@@ -1,5 +1,7 @@
 """scripts/average_checkpoints.py: a half run's checkpoints averaged from their fp32 masters."""
 
+import json
+
 import pytest
 import torch
 
@@ -112,6 +114,11 @@ def test_fp32_run_averages_its_weights_and_refuses_mixing(toy_data, fp16_run, tm
         if v.is_floating_point():
             assert torch.equal(v, ((a[k].double() + b[k].double()) / 2).float()), k
     assert sum(not torch.equal(a[k], b[k]) for k in a) > 10  # the two steps moved the weights
+    main([str(tmp_path / "cli.pt"), "--last", "2", "--dir", str(tmp_path / "fp32"),
+          "--summary", str(tmp_path / "cli.json")])
+    assert json.loads((tmp_path / "cli.json").read_text()) == {
+        **summary, "checkpoints": [str(p) for p in paths], "dst": str(tmp_path / "cli.pt")}
+    assert all(torch.equal(v, dst[k]) for k, v in load(tmp_path / "cli.pt")["model"].items())
     half = last_interval_checkpoints(fp16_run, 1)[0]
     with pytest.raises(ValueError, match=rf"{half.name} is an fp16 \(fp32 masters\) checkpoint, "
                                          r"\S+checkpoint_1_4\.pt an fp32 one: average the checkpoints of one run"):
