@@ -363,6 +363,8 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
     ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
     ("debian-ende-long/current-code", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
                                            schedule="inverse-sqrt")),
+    ("debian-ende-long/averaged", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
+                                       schedule="inverse-sqrt", average_last=4)),
 ])
 def test_demo_flags_are_those_of_the_committed_reports(results, flags):
     # make demo (and the longer recipe's documented demo.py flags) reproduce the committed runs'
@@ -418,7 +420,8 @@ def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
 
 
 @pytest.mark.parametrize("results", ["debian-ende", "debian-ende-avx2", "debian-ende-long", "debian-ende-amx",
-                                     "debian-ende-avx512", "debian-ende-avx512/averaged"])
+                                     "debian-ende-avx512", "debian-ende-avx512/averaged",
+                                     "debian-ende-long/averaged"])
 def test_recipe_readme_quotes_the_committed_reports_bleu(results):
     # examples/translation/README.md's tables are copied from the committed reports: every run's
     # BLEU and p there must be the one in its summary.json (a rerun replaces both together), and
