@@ -210,8 +210,7 @@ def average_last(mode: str, run_dir: Path, n: int, data) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     dst = ckpt_dir / "checkpoint_avg.pt"
     banner(f"[{mode}] averaging the last {n} checkpoints' weights: scripts/average_checkpoints.py")
-    summary = ckpt_dir / "checkpoint_avg.json"
-    summary.unlink(missing_ok=True)  # a kept run's, from an earlier --average-last
+    summary = ckpt_dir / "checkpoint_avg.json"  # average_checkpoints.py writes it whenever it exits 0
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "average_checkpoints.py"), str(dst),
                            "--last", str(n), "--dir", str(ckpt_dir), "--data", str(data),
                            "--summary", str(summary)], capture_output=True, text=True)
