@@ -20,7 +20,8 @@
    the paired bootstrap test of each mixed run against fp32 (averaged
    checkpoints, then last ones), and the plots.
 
-    python scripts/demo.py [--out out/demo] [--max-update 1600] [--lr-schedule floor] [--average-last 2] [--corpus debian|toy]
+    python scripts/demo.py [--out out/demo] [--max-update 1600] [--lr-schedule floor] [--average-last 2] [--seed 1]
+                           [--corpus debian|toy]
 
 ``--corpus toy`` runs the 2-minute version on a synthetic word-mapping corpus
 (no network); so does the default when apt cannot reach Debian's archive.
@@ -134,6 +135,8 @@ def main() -> None:
                     f"every max({DEBIAN_AVERAGE_EVERY}, updates / 16) updates (default {DEBIAN_AVERAGE}; 0 = the "
                     "last checkpoint, the demo's until 2026-12-03); the report scores the last checkpoint "
                     "beside it")
+    ap.add_argument("--seed", type=int, default=1,
+                    help="the seed of the runs (scripts/compare.py's --seed; MODE@seedN runs keep their own)")
     ap.add_argument("--modes", default="fp32,fp16,bf16",
                     help="as scripts/compare.py's; add fp32@seed2 for the seed-to-seed control run")
     ap.add_argument("--keep-existing", action="store_true",
@@ -176,7 +179,8 @@ def main() -> None:
     print(f"=== [2/3] training and decoding {a.modes}: {updates} updates each on the CPU, {seeds} "
           "and flags; fairseq's progress follows", flush=True)
     subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), str(data), "--out", str(out / "runs"),
-                    "--modes", a.modes, "--train-args", train_args, "--gen-args", gen_args, *extra,
+                    "--modes", a.modes, "--seed", str(a.seed), "--train-args", train_args,
+                    "--gen-args", gen_args, *extra,
                     *(["--keep-existing"] if a.keep_existing else []),
                     *(["--redecode"] if a.redecode else [])], check=True)
     print("=== [3/3] report: table, paired bootstrap against fp32, plots", flush=True)
