@@ -12,6 +12,8 @@ setup(
         # fairseq 0.12.2 cannot be imported on Python 3.11; this fork can.
         "fairseq-fixed==0.12.3.1",
         "sacrebleu>=2.4",
+        # Student's t for the seed-paired equivalence test (scripts/report.py, scripts/verdict.py)
+        "scipy",
         "sentencepiece",
         # Moses-style sentence splitting for the Debian corpus (examples/translation)
         "sentence-splitter",

@@ -225,7 +225,107 @@ def permutation_p(a, b) -> float:
     return hits / len(splits)
 
 
-def by_precision(out: Path, results, n_samples: int, pvals=None):
+#: The issue's tolerance for "the same BLEU": a mixed precision within this many BLEU points of fp32.
+MARGIN = 0.5
+
+
+def paired_equivalence(diffs, margin: float = MARGIN) -> dict:
+    """Is a precision's BLEU within ``margin`` of fp32's, counting training-to-training variation?
+
+    ``diffs``: BLEU(mixed) - BLEU(fp32) of runs trained with the same seed, one per seed. Pairing
+    by seed takes out what the two runs share (initialisation, batch order); what is left is the
+    precision's effect plus the noise of two trainings parting, which one pair's paired bootstrap
+    (test sentences resampled, outputs fixed) does not see. Student's t on the differences gives:
+
+    - ``ci90``: the 90% confidence interval of the mean difference;
+    - two one-sided tests (TOST) of "|mean difference| >= margin": ``p_equivalence``, the larger
+      of their p values; below 0.05 exactly when ``ci90`` lies inside (-margin, +margin);
+    - ``p_difference``: the two-sided paired t-test of "mean difference = 0".
+
+    ``verdict`` is one of ``equivalent`` (``ci90`` inside the margin), ``not_worse`` (the lower
+    bound above -margin, the upper one not below +margin), ``not_better`` (the mirror),
+    ``worse`` / ``better`` (the whole interval beyond -margin / +margin) or ``inconclusive``
+    (the interval reaches past both).
+
+    Raises:
+        ValueError: with fewer than two differences, or a margin that is not positive.
+    """
+    from scipy import stats
+
+    if not margin > 0:
+        raise ValueError(f"--margin must be a positive number of BLEU points, got {margin}")
+    n = len(diffs)
+    if n < 2:
+        raise ValueError(f"a seed-paired test needs two or more seeds with both runs, got {n}")
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    se = sd / math.sqrt(n)
+    t = stats.t(df=n - 1)
+    if se > 0:
+        half = t.ppf(0.95) * se
+        p_low = t.sf((mean + margin) / se)  # H0: mean <= -margin
+        p_high = t.cdf((mean - margin) / se)  # H0: mean >= +margin
+        p_diff = 2 * t.sf(abs(mean) / se)
+    else:  # every seed gave the same difference: no spread to test against
+        half = 0.0
+        p_low, p_high = float(mean <= -margin), float(mean >= margin)
+        p_diff = float(mean == 0)
+    lo, hi = mean - half, mean + half
+    if -margin < lo and hi < margin:
+        verdict = "equivalent"
+    elif hi <= -margin:
+        verdict = "worse"
+    elif lo >= margin:
+        verdict = "better"
+    elif lo > -margin:
+        verdict = "not_worse"
+    elif hi < margin:
+        verdict = "not_better"
+    else:
+        verdict = "inconclusive"
+    return {"n": n, "diffs": list(diffs), "mean": mean, "sd": sd, "ci90": [float(lo), float(hi)],
+            "margin": margin, "p_equivalence": float(max(p_low, p_high)), "p_difference": float(p_diff),
+            "verdict": verdict}
+
+
+VERDICTS = {
+    "equivalent": "within ±{m} BLEU of fp32",
+    "not_worse": "not more than {m} BLEU below fp32; within ±{m} not shown (upper bound above +{m})",
+    "not_better": "not more than {m} BLEU above fp32; within ±{m} not shown (lower bound below -{m})",
+    "worse": "more than {m} BLEU below fp32",
+    "better": "more than {m} BLEU above fp32",
+    "inconclusive": "inconclusive: the interval reaches past -{m} and +{m}; more seeds narrow it",
+}
+
+
+def equivalence_table(rows) -> str:
+    """The report's table of the ``equivalence`` entries of :func:`by_precision`'s rows."""
+    cols = ["precision", "seed pairs", "d BLEU per seed", "mean d", "90% CI", "p (|d| >= margin)",
+            "p (d = 0)", "verdict"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for mode, v in rows.items():
+        e = v.get("equivalence")
+        if not e:
+            continue
+        m = f"{e['margin']:g}"
+        lines.append("| " + " | ".join([
+            mode, str(e["n"]), ", ".join(f"{d:+.2f}" for d in e["diffs"]), f"{e['mean']:+.2f}",
+            f"{e['ci90'][0]:+.2f} to {e['ci90'][1]:+.2f}", f"{e['p_equivalence']:.3f}",
+            f"{e['p_difference']:.3f}", VERDICTS[e["verdict"]].format(m=m)]) + " |")
+    return "\n".join(lines)
+
+
+def equivalence_lines(margin: float) -> list:
+    """What the equivalence table tests, for the report."""
+    return [f"Is each precision within ±{margin:g} BLEU of fp32? Seed-paired test: *d* is the BLEU of a "
+            "run minus that of the fp32 run trained with the same seed, one difference per seed, so that "
+            "the noise of two trainings parting is counted, which a single pair's bootstrap cannot see. "
+            f"*90% CI*: Student's t interval of the mean d; *p (|d| >= margin)*: two one-sided t-tests "
+            f"(TOST) of a gap of {margin:g} or more, below 0.05 exactly when the interval lies inside "
+            f"±{margin:g}; *p (d = 0)*: the paired t-test of no gap at all. "
+            "(`scripts/verdict.py` pools the runs of several comparisons the same way.)"]
+
+
+def by_precision(out: Path, results, n_samples: int, pvals=None, margin: float = MARGIN):
     """BLEU per precision over its seeds, compared with fp32 two ways.
 
     - same seed: each mixed run against the fp32 run of its seed (``fp32@seedN``),
@@ -233,7 +333,9 @@ def by_precision(out: Path, results, n_samples: int, pvals=None):
     - over seeds: the difference of the mean BLEU to fp32's, and an exact
       permutation test on the per-seed BLEU values (``permutation_p``; its
       smallest possible p with these seed counts is given too). This test counts
-      training-to-training variation, which the bootstrap does not.
+      training-to-training variation, which the bootstrap does not;
+    - seed-paired equivalence (``equivalence``, with two or more same-seed pairs): the per-seed
+      differences tested against ``margin`` (:func:`paired_equivalence`).
 
     ``pvals``: :func:`paired_bootstrap`'s p values against ``results[0]``, reused for the pairs
     with that run instead of drawn again. None unless some precision has runs with two or more
@@ -267,6 +369,8 @@ def by_precision(out: Path, results, n_samples: int, pvals=None):
                         p = paired_bootstrap(out, [fp32[s], runs[s]], n_samples)[runs[s]["mode"]]
                     row["same_seed"][s] = {"d_bleu": runs[s]["generate"]["bleu"] - fp32[s]["generate"]["bleu"],
                                            "p": p}
+            if len(row["same_seed"]) >= 2:
+                row["equivalence"] = paired_equivalence([d["d_bleu"] for d in row["same_seed"].values()], margin)
         rows[mode] = row
     return rows
 
@@ -449,7 +553,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the --out directory of scripts/compare.py")
     ap.add_argument("--bootstrap", type=int, default=1000, help="paired bootstrap resamples")
+    ap.add_argument("--margin", type=float, default=MARGIN,
+                    help=f"BLEU points within which a precision counts as fp32's equal in the seed-paired "
+                    f"test (default {MARGIN})")
     a = ap.parse_args(argv)
+    if not a.margin > 0:
+        ap.error(f"--margin must be a positive number of BLEU points, got {a.margin:g}")
     settings, results = load_results(a.out)
     pvals = paired_bootstrap(a.out, results, a.bootstrap)
     tab, mem_key = table(results, pvals)
@@ -491,13 +600,15 @@ def main(argv=None) -> None:
     spread = seed_spread(results)
     if spread:
         md += ["", "Training-to-training variation (BLEU on the whole split):", "", *spread_lines(spread)]
-    precisions = by_precision(a.out, results, a.bootstrap, pvals)
+    precisions = by_precision(a.out, results, a.bootstrap, pvals, a.margin)
     if precisions:
         md += ["", "Each precision over its seeds (BLEU on the whole split). *same seed*: each run against "
                "the fp32 run of its seed, paired bootstrap p; *p over seeds*: exact permutation test of the "
                "mean BLEU against fp32's over the per-seed values, which counts training-to-training "
                "variation (with few seeds it cannot go below the smallest possible p):", "",
                precision_table(precisions)]
+        if any("equivalence" in v for v in precisions.values()):
+            md += ["", *equivalence_lines(a.margin), "", equivalence_table(precisions)]
     md += [
         "",
         "Training flags (all runs): `" + settings.get("train_args", "") + "`",

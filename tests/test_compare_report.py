@@ -324,6 +324,31 @@ def test_seed_spread_places_mixed_runs_among_fp32_seeds():
     assert seed_spread(results[:3]) is None  # one fp32 seed: no spread
 
 
+def test_report_tests_two_seed_pairs_for_equivalence(compared, tmp_path):
+    # fp16 at seed 2 made from the fp32 control run: the seed-2 pair has the same output (d = 0)
+    out = tmp_path / "runs"
+    shutil.copytree(compared[0], out)
+    shutil.copytree(out / "fp32-seed2", out / "fp16-seed2")
+    r = json.loads((out / "fp16-seed2" / "result.json").read_text())
+    r.update(mode="fp16-seed2", base_mode="fp16", precision_flags=["--fp16"])
+    (out / "fp16-seed2" / "result.json").write_text(json.dumps(r))
+    settings = json.loads((out / "settings.json").read_text())
+    settings["modes"] = ["fp32", "fp16", "fp32-seed2", "fp16-seed2"]
+    (out / "settings.json").write_text(json.dumps(settings))
+    report = [sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "50"]
+    subprocess.run(report + ["--margin", "100"], check=True, capture_output=True)
+    summary = json.loads((out / "summary.json").read_text())
+    bleu = {m: v["bleu"] for m, v in summary["runs"].items()}
+    eq = summary["by_precision"]["fp16"]["equivalence"]
+    assert eq["diffs"] == pytest.approx([bleu["fp16"] - bleu["fp32"], 0.0]) and eq["margin"] == 100
+    assert eq["verdict"] == "equivalent"  # toy BLEU is near 0: any gap is within 100 points
+    md = (out / "report.md").read_text()
+    assert "Is each precision within ±100 BLEU of fp32? Seed-paired test" in md
+    assert "| fp16 | 2 |" in md and "| within ±100 BLEU of fp32 |" in md
+    bad = subprocess.run(report + ["--margin", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--margin must be a positive number of BLEU points, got 0" in bad.stderr
+
+
 def test_report_has_the_seed_spread_of_a_control_run(compared):
     out, _ = compared
     md = (out / "report.md").read_text()
@@ -334,6 +359,7 @@ def test_report_has_the_seed_spread_of_a_control_run(compared):
     fp16 = summary["by_precision"]["fp16"]  # fp16 against the fp32 run of its own seed
     assert list(fp16["same_seed"]) == ["1"] and 0 < fp16["same_seed"]["1"]["p"] <= 1
     assert "| precision | seeds | BLEU per seed |" in md and "| fp32 | 2 |" in md
+    assert "equivalence" not in fp16 and "Seed-paired test" not in md  # one pair: nothing to test
 
 
 def test_report_names_each_runs_decoding_flags_when_they_differ():
@@ -396,7 +422,7 @@ def _bleu_run(out, mode, seed, hyps, refs, base=None):
 
 
 def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
-    from report import by_precision, precision_table
+    from report import by_precision, equivalence_table, precision_table
 
     refs = [f"the {w} sat on the mat number {i} today" for i, w in enumerate(["cat", "dog", "cow"] * 20)]
     worse = [r.replace("sat on", "lay at") if i % 2 else r for i, r in enumerate(refs)]
@@ -416,6 +442,12 @@ def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
     assert rows["bf16"]["sd"] is None and "permutation_p" not in rows["bf16"]
     table = precision_table(rows)
     assert "| fp16 | 2 |" in table and "seed 2: +0.00 (1.000)" in table
+    # the two same-seed differences go to the seed-paired test; one pair (bf16) is not tested
+    eq = fp16["equivalence"]
+    assert eq["diffs"] == [fp16["same_seed"][1]["d_bleu"], 0.0] and eq["verdict"] == "inconclusive"
+    assert "equivalence" not in rows["bf16"]
+    eq_table = equivalence_table(rows)
+    assert eq_table.count("\n") == 2 and f"| fp16 | 2 | {eq['diffs'][0]:+.2f}, +0.00 |" in eq_table
     assert by_precision(tmp_path, [runs[0], runs[1], runs[4]], 200) is None  # one seed each: no table
 
 

@@ -1,0 +1,117 @@
+"""The seed-paired equivalence test (scripts/report.py) and scripts/verdict.py, which pools comparisons."""
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+from report import paired_equivalence  # scripts/ is on sys.path (conftest)
+from verdict import pool, table, verdicts
+
+RESULTS = ROOT / "examples" / "translation" / "results"
+#: Student's t quantiles (one-sided 0.95), from the printed tables
+T95 = {1: 6.313752, 2: 2.919986, 3: 2.353363, 5: 2.015048}
+
+
+def test_paired_equivalence_is_student_t_and_tost():
+    d = [0.28, -0.16, -0.35, 0.23]  # fp16 - fp32 per seed, debian-ende-avx512/averaged
+    e = paired_equivalence(d)
+    se = statistics.stdev(d) / 2
+    assert e["n"] == 4 and e["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert e["ci90"] == pytest.approx([-T95[3] * se, T95[3] * se], rel=1e-6)
+    # TOST: P(T3 > 0.5 / se) with se 0.15259, t = 3.2768 -> 0.0233 (each side alike here)
+    assert e["p_equivalence"] == pytest.approx(0.0233, abs=2e-4)
+    assert e["p_difference"] == pytest.approx(1.0)
+    assert e["verdict"] == "equivalent"
+
+
+@pytest.mark.parametrize("diffs, verdict", [
+    ([0.56, 0.56, -0.31, 0.74], "not_worse"),  # bf16 on the AVX512-BF16 EPYC: 90% CI -0.17 to +0.94
+    ([-0.56, -0.56, 0.31, -0.74], "not_better"),
+    ([-1.0, -1.1, -0.9], "worse"),  # CI -1.17 to -0.83
+    ([1.0, 1.1, 0.9], "better"),
+    ([2.0, -2.0, 1.5, -1.5], "inconclusive"),
+    ([0.2, 0.2], "equivalent"),  # no spread: the interval is the point
+])
+def test_paired_equivalence_verdicts(diffs, verdict):
+    e = paired_equivalence(diffs)
+    assert e["verdict"] == verdict
+    lo, hi = e["ci90"]
+    n, mean = len(diffs), statistics.fmean(diffs)
+    half = T95[n - 1] * statistics.stdev(diffs) / math.sqrt(n)
+    assert (lo, hi) == pytest.approx((mean - half, mean + half), abs=1e-6)
+    # the TOST p is below 0.05 exactly when the interval lies inside the margin
+    assert (e["p_equivalence"] < 0.05) == (-0.5 < lo and hi < 0.5)
+
+
+def test_paired_equivalence_margin_and_size_are_checked():
+    assert paired_equivalence([0.56, 0.56, -0.31, 0.74], margin=1.0)["verdict"] == "equivalent"
+    with pytest.raises(ValueError, match="two or more seeds with both runs, got 1"):
+        paired_equivalence([0.3])
+    with pytest.raises(ValueError, match="--margin must be a positive number of BLEU points, got 0"):
+        paired_equivalence([0.3, 0.1], margin=0)
+
+
+def _comparison(out, seed, runs, train_args="--arch transformer --max-update 100"):
+    """A compare.py --out directory: ``runs`` {mode: (seed, bleu, updates/s, peak RSS)}."""
+    out.mkdir()
+    (out / "settings.json").write_text(json.dumps({
+        "data": "bin", "modes": list(runs), "train_args": train_args, "gen_args": "--beam 4",
+        "gen_subset": "test", "average_last": 2, "seed": seed}))
+    for mode, (s, bleu, ups, mem) in runs.items():
+        (out / mode).mkdir()
+        (out / mode / "result.json").write_text(json.dumps({
+            "mode": mode, "base_mode": mode.split("-")[0], "seed": s, "generate": {"bleu": bleu},
+            "train": {"updates_per_s": ups, "peak_rss_mb": mem}}))
+    return out
+
+
+def test_verdict_pools_comparisons_by_seed(tmp_path):
+    a = _comparison(tmp_path / "a", 1, {"fp32": (1, 10.0, 2.0, 800), "bf16": (1, 10.3, 4.0, 760),
+                                        "fp32-seed2": (2, 11.0, 2.0, 800), "bf16-seed2": (2, 10.9, 5.0, 720)})
+    b = _comparison(tmp_path / "b", 3, {"fp32": (3, 12.0, 2.5, 820), "bf16": (3, 12.2, 5.0, 780),
+                                        "fp16": (3, 11.0, 2.5, 700)})
+    rows = verdicts(pool([a, b]))
+    bf16 = rows["bf16"]
+    assert bf16["seeds"] == [1, 2, 3] and bf16["bleu"] == [10.3, 10.9, 12.2]
+    assert bf16["fp32_bleu"] == [10.0, 11.0, 12.0]
+    assert bf16["x_updates_per_s"] == pytest.approx([2.0, 2.5, 2.0])
+    assert bf16["x_peak_mem"] == pytest.approx([0.95, 0.9, 780 / 820])
+    assert bf16["equivalence"]["diffs"] == pytest.approx([0.3, -0.1, 0.2])
+    # six values split 3 against 3: 4 of the 20 splits have means closer than 11.13 against 11.00
+    assert bf16["permutation_p"] == pytest.approx(0.8)
+    assert "equivalence" not in rows["fp16"] and rows["fp16"]["seeds"] == [3]
+    md = table(rows)
+    assert "| bf16 | 3 (seeds 1, 2, 3) | 11.13 (11.00) | 2.17 (2.00-2.50) |" in md
+    assert "| fp16 | 1 (seeds 3) |" in md and "one seed pair: train more seeds" in md
+
+
+def test_verdict_refuses_comparisons_that_do_not_pair(tmp_path):
+    a = _comparison(tmp_path / "a", 1, {"fp32": (1, 10.0, 2.0, 800), "bf16": (1, 10.3, 4.0, 760)})
+    b = _comparison(tmp_path / "b", 2, {"fp32": (2, 11.0, 2.0, 800)}, train_args="--arch transformer --max-update 200")
+    c = _comparison(tmp_path / "c", 1, {"fp32": (1, 10.0, 2.0, 800)})
+    with pytest.raises(ValueError, match=r"b and .*a differ in train_args"):
+        pool([a, b])
+    with pytest.raises(ValueError, match=r"fp32 with seed 1 is in both .*a and .*c"):
+        pool([a, c])
+
+
+def test_verdict_cli_on_the_committed_demo_runs(tmp_path):
+    # the four seeds of make demo's recipe on the AVX512-BF16 EPYC, as committed
+    out = tmp_path / "verdict.json"
+    cli = subprocess.run([sys.executable, ROOT / "scripts" / "verdict.py", RESULTS / "debian-ende-avx512" / "averaged",
+                          "--json", out], check=True, capture_output=True, text=True)
+    rows = json.loads(out.read_text())["precisions"]
+    fp16, bf16 = rows["fp16"]["equivalence"], rows["bf16"]["equivalence"]
+    assert fp16["diffs"] == pytest.approx([0.28, -0.16, -0.35, 0.23])
+    assert fp16["verdict"] == "equivalent" and fp16["ci90"] == pytest.approx([-0.359, 0.359], abs=1e-3)
+    assert bf16["verdict"] == "not_worse" and bf16["ci90"] == pytest.approx([-0.169, 0.944], abs=1e-3)
+    assert "| fp16 | 4 (seeds 1, 2, 3, 4) | 12.10 (12.10) |" in cli.stdout
+    bad = subprocess.run([sys.executable, ROOT / "scripts" / "verdict.py", RESULTS / "debian-ende-avx512",
+                          "--margin", "-1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--margin must be a positive number of BLEU points, got -1" in bad.stderr
