@@ -229,6 +229,13 @@ def permutation_p(a, b) -> float:
 MARGIN = 0.5
 
 
+def check_margin(margin: float) -> float:
+    """``margin`` if it is a positive number of BLEU points; else ValueError naming ``--margin``."""
+    if not margin > 0:
+        raise ValueError(f"--margin must be a positive number of BLEU points, got {margin:g}")
+    return margin
+
+
 def paired_equivalence(diffs, margin: float = MARGIN) -> dict:
     """Is a precision's BLEU within ``margin`` of fp32's, counting training-to-training variation?
 
@@ -252,8 +259,7 @@ def paired_equivalence(diffs, margin: float = MARGIN) -> dict:
     """
     from scipy import stats
 
-    if not margin > 0:
-        raise ValueError(f"--margin must be a positive number of BLEU points, got {margin}")
+    check_margin(margin)
     n = len(diffs)
     if n < 2:
         raise ValueError(f"a seed-paired test needs two or more seeds with both runs, got {n}")
@@ -370,7 +376,9 @@ def by_precision(out: Path, results, n_samples: int, pvals=None, margin: float =
                     row["same_seed"][s] = {"d_bleu": runs[s]["generate"]["bleu"] - fp32[s]["generate"]["bleu"],
                                            "p": p}
             if len(row["same_seed"]) >= 2:
-                row["equivalence"] = paired_equivalence([d["d_bleu"] for d in row["same_seed"].values()], margin)
+                # result.json's BLEU has two decimals: so have the differences
+                row["equivalence"] = paired_equivalence([round(d["d_bleu"], 2) for d in row["same_seed"].values()],
+                                                        margin)
         rows[mode] = row
     return rows
 
@@ -557,8 +565,10 @@ def main(argv=None) -> None:
                     help=f"BLEU points within which a precision counts as fp32's equal in the seed-paired "
                     f"test (default {MARGIN})")
     a = ap.parse_args(argv)
-    if not a.margin > 0:
-        ap.error(f"--margin must be a positive number of BLEU points, got {a.margin:g}")
+    try:
+        check_margin(a.margin)
+    except ValueError as e:
+        ap.error(str(e))
     settings, results = load_results(a.out)
     pvals = paired_bootstrap(a.out, results, a.bootstrap)
     tab, mem_key = table(results, pvals)

@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import MARGIN, VERDICTS, base_mode, load_results, paired_equivalence, permutation_p  # noqa: E402
+from report import (MARGIN, VERDICTS, base_mode, check_margin, load_results, paired_equivalence,  # noqa: E402
+                    permutation_p)
 
 #: settings.json entries that must agree for runs of two comparisons to be paired.
 SHARED = ("data", "train_args", "gen_args", "gen_subset", "average_last")
@@ -83,6 +84,7 @@ def verdicts(runs, margin: float = MARGIN) -> dict:
             "x_peak_mem": [_mem(m) / _mem(f) for m, f in pairs],
         }
         if len(pairs) >= 2:
+            # result.json's BLEU has two decimals: so have the differences
             row["equivalence"] = paired_equivalence([round(m - f, 2) for m, f in zip(row["bleu"], row["fp32_bleu"])],
                                                     margin)
             row["permutation_p"] = permutation_p(row["bleu"], row["fp32_bleu"])
@@ -121,9 +123,8 @@ def main(argv=None) -> None:
                     help=f"BLEU points within which a precision counts as fp32's equal (default {MARGIN})")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args(argv)
-    if not a.margin > 0:
-        ap.error(f"--margin must be a positive number of BLEU points, got {a.margin:g}")
     try:
+        check_margin(a.margin)
         runs = pool(a.outs)
     except ValueError as e:
         ap.error(str(e))

@@ -386,6 +386,7 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
     ("debian-ende-avx512", dict(updates=1600, dropout=0.0)),  # make demo's flags until 2026-12-03
     ("debian-ende-avx512/fresh-clone", dict(updates=1600, dropout=0.0)),  # make demo's flags until 2026-12-03
     ("debian-ende-avx512/averaged", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
+    ("debian-ende-avx512/averaged/seeds5-6", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
     ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
     ("debian-ende-long/current-code", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
                                            schedule="inverse-sqrt")),
@@ -444,7 +445,7 @@ def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
     assert "| fp16 | 2 |" in table and "seed 2: +0.00 (1.000)" in table
     # the two same-seed differences go to the seed-paired test; one pair (bf16) is not tested
     eq = fp16["equivalence"]
-    assert eq["diffs"] == [fp16["same_seed"][1]["d_bleu"], 0.0] and eq["verdict"] == "inconclusive"
+    assert eq["diffs"] == [round(fp16["same_seed"][1]["d_bleu"], 2), 0.0] and eq["verdict"] == "inconclusive"
     assert "equivalence" not in rows["bf16"]
     eq_table = equivalence_table(rows)
     assert eq_table.count("\n") == 2 and f"| fp16 | 2 | {eq['diffs'][0]:+.2f}, +0.00 |" in eq_table

@@ -115,3 +115,36 @@ def test_verdict_cli_on_the_committed_demo_runs(tmp_path):
     bad = subprocess.run([sys.executable, ROOT / "scripts" / "verdict.py", RESULTS / "debian-ende-avx512",
                           "--margin", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--margin must be a positive number of BLEU points, got -1" in bad.stderr
+
+
+COMMITTED = sorted(p.parent.relative_to(RESULTS).as_posix() for p in RESULTS.glob("**/verdict.json"))
+#: the folders whose verdicts examples/translation/README.md tables
+QUOTED = ["debian-ende-avx512/averaged", "debian-ende-avx512", "debian-ende-amx", "debian-ende-avx2/lr-floor-beam4",
+          "debian-ende-long"]
+
+
+@pytest.mark.parametrize("folder", COMMITTED)
+def test_committed_verdicts_are_those_of_their_runs(folder):
+    # each verdict.json is what scripts/verdict.py computes from the committed result.json files now
+    saved = json.loads((RESULTS / folder / "verdict.json").read_text())
+    rows = verdicts(pool([ROOT / o for o in saved["outs"]]), saved["margin"])
+    assert list(rows) == list(saved["precisions"])
+    for mode, row in rows.items():
+        want = saved["precisions"][mode]
+        assert row["seeds"] == want["seeds"] and row["bleu"] == want["bleu"]
+        if "equivalence" in want:
+            e, w = row["equivalence"], want["equivalence"]
+            assert e["verdict"] == w["verdict"]
+            assert e["ci90"] == pytest.approx(w["ci90"]) and e["p_equivalence"] == pytest.approx(w["p_equivalence"])
+
+
+@pytest.mark.parametrize("folder", QUOTED)
+def test_recipe_readme_quotes_the_committed_verdicts(folder):
+    readme = (ROOT / "examples" / "translation" / "README.md").read_text()
+    saved = json.loads((RESULTS / folder / "verdict.json").read_text())
+    for mode, v in saved["precisions"].items():
+        e = v["equivalence"]
+        row = (f"| {mode} | {e['n']} | {statistics.fmean(v['bleu']):.2f} ({statistics.fmean(v['fp32_bleu']):.2f}) | "
+               f"{e['mean']:+.2f} ({e['ci90'][0]:+.2f} to {e['ci90'][1]:+.2f}) | {e['p_equivalence']:.3f} | "
+               f"{e['p_difference']:.3f} |")
+        assert row in readme
