@@ -281,18 +281,21 @@ def test_demo_toy_corpus_runs_compare_and_report(tmp_path):
     assert "| fp32 | 20 |" in (tmp_path / "toy" / "runs" / "report.md").read_text()
 
 
-def test_report_names_the_base_of_a_non_fp32_control(compared, tmp_path):
-    import shutil
-
-    out = tmp_path / "runs"
+def _fp16_seed2_from_the_control(compared, out, keep_control):
+    """A copy of the comparison whose fp32 control run (seed 2) is relabelled, or copied, as fp16-seed2."""
     shutil.copytree(compared[0], out)
-    shutil.move(out / "fp32-seed2", out / "fp16-seed2")
+    (shutil.copytree if keep_control else shutil.move)(out / "fp32-seed2", out / "fp16-seed2")
     r = json.loads((out / "fp16-seed2" / "result.json").read_text())
     r.update(mode="fp16-seed2", base_mode="fp16", precision_flags=["--fp16"])
     (out / "fp16-seed2" / "result.json").write_text(json.dumps(r))
     settings = json.loads((out / "settings.json").read_text())
-    settings["modes"] = ["fp32", "fp16", "fp16-seed2"]
+    settings["modes"] = ["fp32", "fp16", *(["fp32-seed2"] if keep_control else []), "fp16-seed2"]
     (out / "settings.json").write_text(json.dumps(settings))
+    return out
+
+
+def test_report_names_the_base_of_a_non_fp32_control(compared, tmp_path):
+    out = _fp16_seed2_from_the_control(compared, tmp_path / "runs", keep_control=False)
     subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "50"], check=True,
                    capture_output=True)
     md = (out / "report.md").read_text()
@@ -326,15 +329,7 @@ def test_seed_spread_places_mixed_runs_among_fp32_seeds():
 
 def test_report_tests_two_seed_pairs_for_equivalence(compared, tmp_path):
     # fp16 at seed 2 made from the fp32 control run: the seed-2 pair has the same output (d = 0)
-    out = tmp_path / "runs"
-    shutil.copytree(compared[0], out)
-    shutil.copytree(out / "fp32-seed2", out / "fp16-seed2")
-    r = json.loads((out / "fp16-seed2" / "result.json").read_text())
-    r.update(mode="fp16-seed2", base_mode="fp16", precision_flags=["--fp16"])
-    (out / "fp16-seed2" / "result.json").write_text(json.dumps(r))
-    settings = json.loads((out / "settings.json").read_text())
-    settings["modes"] = ["fp32", "fp16", "fp32-seed2", "fp16-seed2"]
-    (out / "settings.json").write_text(json.dumps(settings))
+    out = _fp16_seed2_from_the_control(compared, tmp_path / "runs", keep_control=True)
     report = [sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "50"]
     subprocess.run(report + ["--margin", "100"], check=True, capture_output=True)
     summary = json.loads((out / "summary.json").read_text())
