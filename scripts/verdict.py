@@ -8,8 +8,10 @@ a mixed run of seed N against the fp32 run of seed N, from whichever OUT
 holds them, so seeds trained in different sittings (``demo.py --seed 5
 --modes fp32,bf16,fp32@seed6,bf16@seed6`` beside an earlier four-seed
 comparison) are tested together. The OUTs must share their training and
-decoding flags, data and checkpoint averaging; each (precision, seed) may come
-from one OUT only.
+decoding flags, data and checkpoint averaging, and their runs the machine and
+versions (each entry that two runs' ``result.json`` ``machine`` records both
+hold: runs recorded before an entry existed are not checked on it); each
+(precision, seed) may come from one OUT only.
 
 Prints a markdown table: per precision the seed pairs, BLEU, speed and
 memory as ratios to fp32 of the same seed, and the seed-paired equivalence
@@ -38,9 +40,10 @@ def pool(outs):
 
     Raises:
         ValueError: naming the OUT and the setting when two OUTs differ in a :data:`SHARED`
-            setting, or the OUTs when both hold the same precision and seed.
+            setting, the runs when two ran on different machines or versions, or the OUTs
+            when both hold the same precision and seed.
     """
-    runs, first, where = {}, None, {}
+    runs, first, where, machines = {}, None, {}, []
     for out in outs:
         settings, results = load_results(out)
         if first is None:
@@ -56,6 +59,14 @@ def pool(outs):
                                  "pass the comparison that holds the run once")
             where[mode, seed] = out
             runs.setdefault(mode, {})[seed] = r
+            for seen, path in machines if r.get("machine") else ():
+                differ = [k for k in sorted(r["machine"].keys() & seen.keys()) if r["machine"][k] != seen[k]]
+                if differ:
+                    raise ValueError(f"{out / r['mode']} and {path} ran on different machines or versions ("
+                                     + ", ".join(f"{k} {r['machine'][k]!r} against {seen[k]!r}" for k in differ)
+                                     + "): their runs do not pair")
+            if r.get("machine") and all(r["machine"] != seen for seen, _ in machines):
+                machines.append((r["machine"], out / r["mode"]))
     return runs
 
 

@@ -57,8 +57,9 @@ def test_paired_equivalence_margin_and_size_are_checked():
         paired_equivalence([0.3, 0.1], margin=0)
 
 
-def _comparison(out, seed, runs, train_args="--arch transformer --max-update 100"):
-    """A compare.py --out directory: ``runs`` {mode: (seed, bleu, updates/s, peak RSS)}."""
+def _comparison(out, seed, runs, train_args="--arch transformer --max-update 100", machine=None):
+    """A compare.py --out directory: ``runs`` {mode: (seed, bleu, updates/s, peak RSS)}, each
+    recorded as run on ``machine`` (a result.json ``machine`` record) when it is given."""
     out.mkdir()
     (out / "settings.json").write_text(json.dumps({
         "data": "bin", "modes": list(runs), "train_args": train_args, "gen_args": "--beam 4",
@@ -67,7 +68,7 @@ def _comparison(out, seed, runs, train_args="--arch transformer --max-update 100
         (out / mode).mkdir()
         (out / mode / "result.json").write_text(json.dumps({
             "mode": mode, "base_mode": mode.split("-")[0], "seed": s, "generate": {"bleu": bleu},
-            "train": {"updates_per_s": ups, "peak_rss_mb": mem}}))
+            "train": {"updates_per_s": ups, "peak_rss_mb": mem}, **({"machine": machine} if machine else {})}))
     return out
 
 
@@ -99,6 +100,25 @@ def test_verdict_refuses_comparisons_that_do_not_pair(tmp_path):
         pool([a, b])
     with pytest.raises(ValueError, match=r"fp32 with seed 1 is in both .*a and .*c"):
         pool([a, c])
+
+
+def test_verdict_refuses_runs_of_different_machines(tmp_path):
+    epyc = json.loads((RESULTS / "debian-ende-avx512" / "fp32" / "result.json").read_text())["machine"]
+    xeon = json.loads((RESULTS / "debian-ende-amx" / "fp32" / "result.json").read_text())["machine"]
+    a = _comparison(tmp_path / "a", 1, {"fp32": (1, 10.0, 2.0, 800), "bf16": (1, 10.3, 4.0, 760)}, machine=epyc)
+    b = _comparison(tmp_path / "b", 2, {"fp32": (2, 11.0, 2.0, 800), "bf16": (2, 11.2, 4.0, 760)}, machine=xeon)
+    with pytest.raises(ValueError, match=r"b/fp32 and .*a/fp32 ran on different machines or versions \(cpu "
+                                         r"'Intel\(R\) Xeon\(R\) Processor' against 'AMD EPYC', cpu_native_fp16 True "
+                                         r"against False\): their runs do not pair"):
+        pool([a, b])
+    # a run recorded before result.json held a machine pools with either
+    c = _comparison(tmp_path / "c", 2, {"fp32": (2, 11.0, 2.0, 800), "bf16": (2, 11.2, 4.0, 760)})
+    assert verdicts(pool([a, c]))["bf16"]["seeds"] == [1, 2]
+    # the same machine with another torch does not pool either
+    d = _comparison(tmp_path / "d", 2, {"fp32": (2, 11.0, 2.0, 800)}, machine={**epyc, "torch": "2.12.0+cpu"})
+    with pytest.raises(ValueError, match=r"d/fp32 and .*a/fp32 ran on different machines or versions \(torch "
+                                         r"'2.12.0\+cpu' against '2.13.0\+cpu'\)"):
+        pool([a, d])
 
 
 def test_verdict_cli_on_the_committed_demo_runs(tmp_path):
