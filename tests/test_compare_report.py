@@ -382,6 +382,8 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
     ("debian-ende-avx512/fresh-clone", dict(updates=1600, dropout=0.0)),  # make demo's flags until 2026-12-03
     ("debian-ende-avx512/averaged", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
     ("debian-ende-avx512/averaged/seeds5-6", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
+    ("debian-ende-avx512/averaged/seeds7-8", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
+    ("debian-ende-avx512/averaged/seeds9-10", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
     ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
     ("debian-ende-long/current-code", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
                                            schedule="inverse-sqrt")),
