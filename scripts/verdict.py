@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import SETTING_DEFAULTS  # noqa: E402
 from report import (MARGIN, VERDICTS, base_mode, check_margin, load_results, paired_equivalence,  # noqa: E402
                     permutation_p)
 
@@ -49,9 +50,10 @@ def pool(outs):
         if first is None:
             first = (out, settings)
         for key in SHARED:
-            if settings.get(key) != first[1].get(key):
-                raise ValueError(f"{out} and {first[0]} differ in {key} ({settings.get(key)!r} against "
-                                 f"{first[1].get(key)!r}): their runs are not comparable")
+            ours, theirs = (s.get(key, SETTING_DEFAULTS.get(key)) for s in (settings, first[1]))
+            if ours != theirs:
+                raise ValueError(f"{out} and {first[0]} differ in {key} ({ours!r} against "
+                                 f"{theirs!r}): their runs are not comparable")
         for r in results:
             mode, seed = base_mode(r), r.get("seed", settings.get("seed"))
             if (mode, seed) in where:

@@ -57,13 +57,16 @@ def test_paired_equivalence_margin_and_size_are_checked():
         paired_equivalence([0.3, 0.1], margin=0)
 
 
-def _comparison(out, seed, runs, train_args="--arch transformer --max-update 100", machine=None):
+def _comparison(out, seed, runs, train_args="--arch transformer --max-update 100", machine=None, average_last=2):
     """A compare.py --out directory: ``runs`` {mode: (seed, bleu, updates/s, peak RSS)}, each
-    recorded as run on ``machine`` (a result.json ``machine`` record) when it is given."""
+    recorded as run on ``machine`` (a result.json ``machine`` record) when it is given;
+    ``average_last`` None leaves the setting out, as settings.json did before it existed."""
     out.mkdir()
-    (out / "settings.json").write_text(json.dumps({
-        "data": "bin", "modes": list(runs), "train_args": train_args, "gen_args": "--beam 4",
-        "gen_subset": "test", "average_last": 2, "seed": seed}))
+    settings = {"data": "bin", "modes": list(runs), "train_args": train_args, "gen_args": "--beam 4",
+                "gen_subset": "test", "average_last": average_last, "seed": seed}
+    if average_last is None:
+        del settings["average_last"]
+    (out / "settings.json").write_text(json.dumps(settings))
     for mode, (s, bleu, ups, mem) in runs.items():
         (out / mode).mkdir()
         (out / mode / "result.json").write_text(json.dumps({
@@ -100,6 +103,12 @@ def test_verdict_refuses_comparisons_that_do_not_pair(tmp_path):
         pool([a, b])
     with pytest.raises(ValueError, match=r"fp32 with seed 1 is in both .*a and .*c"):
         pool([a, c])
+    # a settings.json written before average_last existed meant 0 by its absence
+    d = _comparison(tmp_path / "d", 3, {"fp32": (3, 12.0, 2.0, 800), "bf16": (3, 12.1, 4.0, 760)}, average_last=0)
+    e = _comparison(tmp_path / "e", 4, {"fp32": (4, 12.0, 2.0, 800), "bf16": (4, 11.9, 4.0, 760)}, average_last=None)
+    assert verdicts(pool([d, e]))["bf16"]["seeds"] == [3, 4]
+    with pytest.raises(ValueError, match=r"e and .*a differ in average_last \(0 against 2\)"):
+        pool([a, e])
 
 
 def test_verdict_refuses_runs_of_different_machines(tmp_path):
