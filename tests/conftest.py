@@ -136,11 +136,11 @@ def run_cli(tool, args, check=True):
     return proc
 
 
-def train(data, save_dir, *extra, user_dir=True, model=TINY_MODEL, check=True):
-    """Run fairseq-train; returns (process, per-update train_inner records)."""
-    common = TRAIN
+def train(data, save_dir, *extra, user_dir=True, model=TINY_MODEL, check=True, cuda=False):
+    """Run fairseq-train (on the GPU with ``cuda``); returns (process, per-update train_inner records)."""
+    common = [a for a in TRAIN if a != "--cpu"] if cuda else TRAIN
     if not user_dir:  # stock fairseq: its own task and optimizer
-        common = [{"translation_fp16": "translation", "fp16_adam": "adam"}.get(a, a) for a in TRAIN]
+        common = [{"translation_fp16": "translation", "fp16_adam": "adam"}.get(a, a) for a in common]
     args = [data, *model, *common, "--save-dir", save_dir, *extra]
     if user_dir:
         args += ["--user-dir", USER_DIR]
