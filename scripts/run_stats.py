@@ -6,8 +6,9 @@ Writes ``{"wall_s", "peak_rss_mb", "peak_cuda_mb", "exit_code", "machine"}`` to
 STATS.json when the command ends, whatever the outcome (``machine``: see
 :func:`machine`). Peak RSS is the process's
 high-water mark (``getrusage``), so it includes the interpreter and torch
-(a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak.
-It imports nothing of fairseq before the CLI module, so the CLI sets up logging.
+(a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak over the whole run
+(:class:`CudaPeak`). It imports nothing of fairseq before the CLI module, so the CLI sets up
+logging.
 """
 
 import json
@@ -73,6 +74,37 @@ def machine(args) -> dict:
     }
 
 
+class CudaPeak:
+    """The CUDA allocator's peak over a whole run.
+
+    fairseq's trainer calls ``torch.cuda.reset_peak_memory_stats()`` after every update (to log
+    ``gb_free``), so at the end of a run ``max_memory_allocated()`` holds only what was allocated
+    after the last update: about the model and optimizer state, not the peak of training. While
+    installed, each reset first keeps the peak it clears. ``cuda`` is ``torch.cuda`` (a stand-in
+    in the tests).
+    """
+
+    def __init__(self, cuda) -> None:
+        self.cuda = cuda
+        self._kept = 0
+        self._reset = cuda.reset_peak_memory_stats
+        cuda.reset_peak_memory_stats = self._reset_keeping_peak
+
+    def _reset_keeping_peak(self, device=None) -> None:
+        if self.cuda.is_initialized():
+            self._kept = max(self._kept, self.cuda.max_memory_allocated(device))
+        self._reset(device)
+
+    def uninstall(self) -> None:
+        self.cuda.reset_peak_memory_stats = self._reset
+
+    def peak_mb(self):
+        """Peak MB since installed, or None when CUDA was never used."""
+        if not (self.cuda.is_available() and self.cuda.is_initialized()):
+            return None
+        return max(self._kept, self.cuda.max_memory_allocated()) / 2**20
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[1] not in CLIS:
@@ -82,6 +114,9 @@ def main(argv=None) -> int:
     stats_path, tool, args = argv[0], argv[1], argv[2:]
     import importlib
 
+    import torch
+
+    cuda_peak = CudaPeak(torch.cuda)
     module = importlib.import_module(CLIS[tool])
     sys.argv = [tool, *args]
     start = time.perf_counter()
@@ -94,13 +129,10 @@ def main(argv=None) -> int:
         code = 1
         raise
     finally:
-        import torch
-
         stats = {
             "wall_s": time.perf_counter() - start,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-            "peak_cuda_mb": (torch.cuda.max_memory_allocated() / 2**20
-                             if torch.cuda.is_available() and torch.cuda.is_initialized() else None),
+            "peak_cuda_mb": cuda_peak.peak_mb(),
             "exit_code": code,
         }
         try:

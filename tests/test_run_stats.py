@@ -37,3 +37,54 @@ def test_the_machine_is_recorded_otherwise(tmp_path):
     out = _run(tmp_path, "ok")
     assert out["machine"]["cpu_cores"] >= 1 and out["machine"]["torch"]
     assert "machine_error" not in out
+
+
+class FakeCuda:
+    """torch.cuda's allocator statistics, as numbers this test moves."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def alloc(self, mb):
+        self.allocated += mb * 2**20
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, mb):
+        self.allocated -= mb * 2**20
+
+    def max_memory_allocated(self, device=None):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak = self.allocated
+
+
+def _like_fairseq_train(cuda):
+    cuda.alloc(100)  # model and optimizer state
+    for activations in (400, 700, 300):  # an update, then fairseq's reset for its gb_free
+        cuda.alloc(activations)
+        cuda.free(activations)
+        cuda.reset_peak_memory_stats()
+
+
+def test_cuda_peak_survives_fairseqs_per_update_resets():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from run_stats import CudaPeak
+
+    bare = FakeCuda()
+    _like_fairseq_train(bare)
+    assert bare.max_memory_allocated() / 2**20 == 100  # what was recorded before: the state only
+    cuda = FakeCuda()
+    peak = CudaPeak(cuda)
+    _like_fairseq_train(cuda)
+    assert peak.peak_mb() == 800
+    cuda.alloc(900)  # a peak after the last reset counts too
+    assert peak.peak_mb() == 1000
+    peak.uninstall()
+    assert cuda.reset_peak_memory_stats.__func__ is FakeCuda.reset_peak_memory_stats
