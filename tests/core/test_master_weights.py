@@ -125,6 +125,26 @@ def test_mixed_step_tracks_fp32_adamw_on_masters(backend):
         assert torch.equal(h, m.detach().half())  # model = masters rounded
 
 
+def test_zero_grad_releases_master_grads_and_steps_stay_those_of_adamw():
+    half, opt = mixed()
+    ref = [torch.nn.Parameter(p.detach().float()) for p in half]
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **HP)
+    scale = opt.scaler.loss_scale
+    for step in range(10):
+        opt.zero_grad()  # as fairseq calls it, before each forward
+        assert all(m.grad is None for m in opt.master_params)  # no fp32 grads through the backward
+        random_grads(half, step, scale=scale, dtype=torch.float16)
+        for r, h in zip(ref, half):
+            r.grad = h.grad.float() / scale
+        opt.clip_grad_norm(1.0)
+        torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        opt.step()
+        ref_opt.step()
+        assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in opt.master_params)
+    for m, r in zip(opt.master_params, ref):
+        torch.testing.assert_close(m, r, rtol=1e-5, atol=1e-6)
+
+
 def test_overflow_skips_update_bit_for_bit_and_backs_off():
     half, opt = mixed()
     random_grads(half, 0, dtype=torch.float16)
