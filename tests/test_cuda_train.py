@@ -1,13 +1,13 @@
 """Real fairseq-train runs on a CUDA device, on the tiny corpus: the plugin's fp16 and bf16 against
 fp32 and against stock fairseq's --fp16. Skipped where torch sees no GPU (CI); run on a GPU
-machine with ``pytest tests/core/test_cuda_optimizer.py tests/test_cuda_train.py``."""
+machine with ``pytest -m gpu``."""
 
 import pytest
 import torch
 
 from conftest import train
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 

@@ -1,6 +1,6 @@
 """On a CUDA device: fp16_adam and the mixed-precision step against torch's fp32 AdamW on the CPU,
 the step's host syncs, and the overflow skip. Skipped where torch sees no GPU (CI); run on a GPU
-machine with ``pytest tests/core/test_cuda_optimizer.py tests/test_cuda_train.py``."""
+machine with ``pytest -m gpu``."""
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ from fairseq_fp16.core.host_sync import HostSyncCounter
 from fairseq_fp16.core.loss_scaler import LossScaler
 from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEV = "cuda"
 
 
