@@ -389,6 +389,8 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
                                            schedule="inverse-sqrt")),
     ("debian-ende-long/current-code/seed2", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
                                                  schedule="inverse-sqrt")),
+    ("debian-ende-long/current-code/seed3", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
+                                                 schedule="inverse-sqrt")),
     ("debian-ende-long/averaged", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
                                        schedule="inverse-sqrt", average_last=4)),
 ])
