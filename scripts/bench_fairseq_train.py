@@ -126,7 +126,8 @@ def main():
                 once.append(mode)
             runs[mode].append(run(data, mode, a.native_updates if slow else a.updates, a.model, device))
             ms_, wps_, mem_ = runs[mode][-1]  # as it goes, so a run cut short still says something
-            print(f"  {mode}: {ms_:.1f} ms/update, {wps_:.0f} words/s, {mem_:.0f} MB", file=sys.stderr, flush=True)
+            print(f"  {mode}: {ms_:.1f} ms/update, {wps_:.0f} words/s, {mem_:.0f} MB",
+                  file=sys.stderr, flush=True)
     ms = {m: statistics.median(r[0] for r in v) for m, v in runs.items()}
     wps = {m: statistics.median(r[1] for r in v) for m, v in runs.items()}
     mem = {m: max(r[2] for r in v) for m, v in runs.items()}
