@@ -95,9 +95,6 @@ class CudaPeak:
             self._kept = max(self._kept, self.cuda.max_memory_allocated(device))
         self._reset(device)
 
-    def uninstall(self) -> None:
-        self.cuda.reset_peak_memory_stats = self._reset
-
     def peak_mb(self):
         """Peak MB since installed, or None when CUDA was never used."""
         if not (self.cuda.is_available() and self.cuda.is_initialized()):
