@@ -7,7 +7,8 @@
 #   bash scripts/bench_gpu.sh --smoke [OUT_DIR]    # tiny sizes on the CPU (default benchmarks/cpu-smoke)
 #
 # Writes OUT_DIR/optimizer.json and OUT_DIR/fairseq_train.json (the scripts' last lines) and the
-# printed tables beside them. PYTHON selects the interpreter (default: .venv/bin/python or python3).
+# printed tables beside them. PYTHON selects the interpreter (default: .venv/bin/python or python3);
+# LENGTHS=MIN,MAX the synthetic sentences' words (default 3,12; LENGTHS=20,40 for WMT-like ones).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 smoke=0
@@ -36,8 +37,10 @@ echo "=== optimizer step (params $params)"
 $py scripts/bench_optimizer.py --params "$params" --device "$device" | tee "$out/optimizer.txt"
 tail -n 1 "$out/optimizer.txt" > "$out/optimizer.json"
 
-echo "=== synthetic corpus ($train_pairs pairs, $vocab words a side)"
-$py scripts/make_toy_corpus.py "$data_dir" --train "$train_pairs" --valid 100 --test 100 --vocab "$vocab" >/dev/null
+lengths=${LENGTHS:-3,12}
+echo "=== synthetic corpus ($train_pairs pairs, $vocab words a side, $lengths words a sentence)"
+$py scripts/make_toy_corpus.py "$data_dir" --train "$train_pairs" --valid 100 --test 100 --vocab "$vocab" \
+    --lengths "$lengths" >/dev/null
 
 echo "=== fairseq-train ($modes, $updates updates each)"
 $py scripts/bench_fairseq_train.py "$data_dir/bin" "${train_flags[@]}" --modes "$modes" \
