@@ -1,6 +1,5 @@
 """scripts/make_toy_corpus.py: sentence lengths and the flag's errors."""
 
-import random
 import statistics
 import subprocess
 import sys
@@ -8,14 +7,19 @@ import sys
 import pytest
 
 from conftest import ROOT
-from make_toy_corpus import make_pairs
 
 
-def test_lengths_bound_the_words_of_both_sides():
-    pairs = make_pairs(2000, random.Random(1), vocab=100, min_len=20, max_len=40)
-    lens = [len(s.split()) for s, _ in pairs]
-    assert min(lens) == 20 and max(lens) == 40 and 29 < statistics.fmean(lens) < 31
-    assert all(len(t.split()) == n for (_, t), n in zip(pairs, lens))
+def test_lengths_flag_sets_the_words_of_both_sides(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_toy_corpus.py"), str(tmp_path),
+                           "--train", "400", "--valid", "5", "--test", "5", "--vocab", "100",
+                           "--lengths", "20,40"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    src = (tmp_path / "raw" / "train.src").read_text().splitlines()
+    tgt = (tmp_path / "raw" / "train.tgt").read_text().splitlines()
+    lens = [len(s.split()) for s in src]
+    assert len(src) == 400 and min(lens) == 20 and max(lens) == 40 and 28 < statistics.fmean(lens) < 32
+    assert [len(t.split()) for t in tgt] == lens
+    assert (tmp_path / "bin" / "train.src-tgt.src.bin").exists()
 
 
 @pytest.mark.parametrize("bad", ["12", "5,3", "0,4", "a,b", "3,4,5"])
