@@ -27,6 +27,8 @@ CASES = [
     (["--fp16", "--precision-stats-interval", "-1"], r"--precision-stats-interval must be >= 0 \(0 = off\), got -1"),
     (["--fp16", "--half-matmul", "fast"],
      r"argument --half-matmul: invalid choice: 'fast' \(choose from '?auto'?, '?native'?, '?fp32-accumulate'?\)"),
+    (["--fp16", "--attention-path", "flash"],
+     r"argument --attention-path: invalid choice: 'flash' \(choose from '?auto'?, '?torch'?, '?fairseq'?\)"),
 ]
 
 

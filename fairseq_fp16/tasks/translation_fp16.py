@@ -5,12 +5,16 @@ What it adds to ``translation``:
 * fp32 islands: every LayerNorm/GroupNorm/BatchNorm, and the modules matching
   ``--fp32-modules REGEX``, keep fp32 parameters and compute in fp32 after the
   trainer casts the model with ``--fp16``/``--bf16``;
-* attention softmax in fp32: under half precision each ``MultiheadAttention``
-  takes fairseq's own attention path, whose softmax is computed in fp32
-  (``utils.softmax(..., dtype=float32)``), instead of PyTorch's fused
-  ``multi_head_attention_forward``, whose softmax runs in the input dtype;
+* attention softmax in fp32 (``--attention-path``): on CUDA the self-attention
+  layers take torch's fused ``multi_head_attention_forward``, whose
+  scaled-dot-product kernels accumulate the softmax in fp32 and store no
+  probabilities; for CPU half runs each ``MultiheadAttention`` takes fairseq's
+  own path, whose softmax is computed in fp32 (``utils.softmax(...,
+  dtype=float32)``) and whose products the fp32-accumulate mode routes;
   the output log-softmax (``utils.log_softmax``) and the criterion are fp32
   already in fairseq;
+* ``--compile-layers``: each encoder and decoder layer's training forward
+  compiled with ``torch.compile`` (:mod:`fairseq_fp16.core.compile`);
 * the loss-scaling flags ``--loss-scale`` and ``--loss-scale-hysteresis``,
   validated when the task is set up, and ``--max-consecutive-overflows``
   (stop a run that cannot heal, naming the first non-finite module);
@@ -60,10 +64,12 @@ import torch
 from fairseq.data import data_utils
 from fairseq.dataclass import ChoiceEnum
 from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
+from ..core.compile import compile_training_forward
 from ..core.cpu_kernel_cache import (
     cap_cpu_kernel_caches,
     resolve_kernel_cache,
@@ -84,7 +90,11 @@ from ..fused_criterion import FUSED_LOSS_CHOICES, fused_criterion_class
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TranslationFP16Config", "TranslationFP16Task", "drop_pad_columns", "validate_precision_flags"]
+__all__ = ["ATTENTION_PATHS", "TranslationFP16Config", "TranslationFP16Task", "avoid_cudnn_attention",
+           "drop_pad_columns",
+           "resolve_attention_path", "validate_precision_flags"]
+
+ATTENTION_PATHS = ("auto", "torch", "fairseq")
 
 
 @dataclass
@@ -155,6 +165,24 @@ class TranslationFP16Config(TranslationConfig):
             "above 1 wins; fp32 runs are never padded by this flag"
         },
     )
+    attention_path: ChoiceEnum(list(ATTENTION_PATHS)) = field(  # type: ignore[valid-type]
+        default="auto",
+        metadata={
+            "help": "multi-head attention: torch = torch's fused multi_head_attention_forward (on "
+            "CUDA its scaled-dot-product kernels, softmax accumulated in fp32 inside, no stored "
+            "probabilities; fairseq sends encoder-decoder attention down its own path anyway); "
+            "fairseq = fairseq's own attention, softmax in fp32, B*H*T^2 probabilities kept for "
+            "the backward. auto: fairseq for half-precision runs on the CPU, else torch"
+        },
+    )
+    compile_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "compile each encoder and decoder layer's training forward with torch.compile "
+            "(dynamic shapes): the elementwise work fuses and far fewer kernels are launched. The "
+            "first updates pay the compile time; validation and generation run eagerly"
+        },
+    )
     scale_trace: Optional[str] = field(
         default=None,
         metadata={"help": "JSONL file: one line per update (scale, overflow, skipped, grad norm, "
@@ -218,12 +246,49 @@ def validate_precision_flags(cfg) -> None:
         if value is not None and int(value) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (0 = off), got {value!r}")
     resolve_length_multiple(cfg.cpu_length_multiple, None, native=False)
+    resolve_attention_path(str(getattr(cfg, "attention_path", "auto")), False, False)
     resolve_kernel_cache(cfg.cpu_kernel_cache, 1)
     if getattr(cfg, "bf16", False) and scale:
         logger.warning(
             "--loss-scale %s with --bf16: bf16 has fp32's exponent range and needs no "
             "loss scaling; the scale is applied anyway", cfg.loss_scale,
         )
+
+
+def resolve_attention_path(choice: str, half: bool, on_cpu: bool) -> str:
+    """'torch' or 'fairseq': which attention ``--attention-path CHOICE`` selects.
+
+    auto keeps fairseq's own attention for half-precision runs on the CPU, where the
+    fp32-accumulate products route its matrix products and torch's CPU kernels would run
+    the softmax in half; everywhere else it is torch's fused path (stock fairseq's choice).
+
+    Raises:
+        ValueError: naming the flag and its choices.
+    """
+    if choice not in ATTENTION_PATHS:
+        raise ValueError(f"--attention-path must be one of {', '.join(ATTENTION_PATHS)}, "
+                         f"got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "fairseq" if half and on_cpu else "torch"
+
+
+def avoid_cudnn_attention() -> bool:
+    """Take cuDNN out of torch's scaled-dot-product attention backends (process-wide).
+
+    torch (2.5 and later) tries cuDNN's attention first for half-precision inputs on Hopper
+    and newer GPUs, and cuDNN builds an execution plan for every new input shape: tens to
+    hundreds of milliseconds of host time each. fairseq's batches change shape (sentences x
+    length) nearly every update, so each update paid plan builds; flash and memory-efficient
+    attention need none. Returns whether it was on.
+    """
+    backends = torch.backends.cuda
+    if not getattr(backends, "cudnn_sdp_enabled", lambda: False)():
+        return False
+    backends.enable_cudnn_sdp(False)
+    logger.info("attention: cuDNN's scaled-dot-product kernels off (they build a plan for every "
+                "new batch shape); torch's flash and memory-efficient kernels serve")
+    return True
 
 
 def drop_pad_columns(sample: dict, pad: int) -> dict:
@@ -415,11 +480,28 @@ class TranslationFP16Task(TranslationTask):
                     self.cfg.fp32_modules,
                     ", ".join(n for n, _ in list(model.named_modules())[1:4]),
                 )
-        if self.half_precision:
-            for module in model.modules():
-                if isinstance(module, MultiheadAttention):
-                    # Takes fairseq's attention path, with its fp32 softmax.
-                    module._set_skip_embed_dim_check()
+        on_cpu = bool(getattr(self.cfg, "cpu", False)) or not torch.cuda.is_available()
+        choice = str(getattr(self.cfg, "attention_path", "auto"))  # absent in older configs
+        path = resolve_attention_path(choice, self.half_precision, on_cpu)
+        attentions = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
+        if path == "fairseq":
+            for module in attentions:
+                module._set_skip_embed_dim_check()  # fairseq's own path, with its fp32 softmax
+        if path == "torch" and self.half_precision and not on_cpu and attentions:
+            avoid_cudnn_attention()
+        if attentions:
+            logger.info("attention: %s (--attention-path %s)", "fairseq's own, softmax in fp32"
+                        if path == "fairseq" else "torch's fused multi_head_attention_forward",
+                        choice)
+        if getattr(self.cfg, "compile_layers", False):
+            layers = [m for m in model.modules()
+                      if isinstance(m, (TransformerEncoderLayerBase, TransformerDecoderLayerBase))]
+            if not layers:
+                raise ValueError(f"--compile-layers: {type(model).__name__} has no transformer "
+                                 "encoder or decoder layers to compile")
+            compile_training_forward(layers)
+            logger.info("--compile-layers: the training forward of %d transformer layers is "
+                        "compiled (torch.compile, dynamic shapes)", len(layers))
         return model
 
     def build_criterion(self, cfg, from_checkpoint=False):
