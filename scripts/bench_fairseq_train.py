@@ -13,13 +13,22 @@ bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
 cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss) and fp32-fused
-(--fused-loss on), and fp16-stock (stock fairseq --fp16, no plugin; CUDA only).
+(--fused-loss on), fp16-stock (stock fairseq --fp16, no plugin; CUDA only),
+fp16-fairseq-attn (--attention-path fairseq: fairseq's own attention, the CPU
+default), fp16-compiled / bf16-compiled (--compile-layers) and fp16-workers4
+(--num-workers 4: four batch-loading processes instead of fairseq's one).
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
 CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for
 --updates updates without validation or checkpoints; ms/update is
 the mean of fairseq's per-interval rate over the intervals after the first.
 The modes run interleaved --repeats times; each reports its median. Prints a
 table and, as its last line, one JSON object.
+
+With --profile-dir DIR, --profile-updates more updates run after the timed ones under
+torch.profiler (outside every logged interval) and DIR/MODE.json gets their summary
+(scripts/profile_summary.py: device busy/idle time, kernel classes, launches, host syncs).
+--deadline SECONDS skips the modes not yet started once that much time has passed (a device
+session's time is fixed); the JSON lists them under "skipped".
 """
 
 import argparse
@@ -31,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +68,11 @@ MODES = {
     "fp16-unfused": ["--fp16", "--fused-loss", "off"],
     "bf16-unfused": ["--bf16", "--fused-loss", "off"],
     "fp32-fused": ["--fused-loss", "on"],
+    # the GPU's A/B: attention path, compiled layers, batch-loading processes
+    "fp16-fairseq-attn": ["--fp16", "--attention-path", "fairseq"],
+    "fp16-compiled": ["--fp16", "--compile-layers"],
+    "bf16-compiled": ["--bf16", "--compile-layers"],
+    "fp16-workers4": ["--fp16", "--num-workers", "4"],
 }
 STOCK = {"fp16-stock"}
 ENV = {"tf32": {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}}
@@ -66,28 +81,41 @@ MODEL = ("--arch transformer --encoder-layers 3 --decoder-layers 3 --encoder-emb
          "--encoder-attention-heads 4 --decoder-attention-heads 4 --share-all-embeddings --max-tokens 2048")
 
 
-def run(data, mode, updates, model, device):
-    """(ms/update, target words/s, peak MB) of one fairseq-train run."""
+class RunFailed(RuntimeError):
+    """One mode's run failed; the others still run and the JSON lists it under "failed"."""
+
+
+def run(data, mode, updates, model, device, profile=None):
+    """(ms/update, target words/s, peak MB, machine) of one fairseq-train run.
+
+    ``profile``: (updates to profile, JSON path), run after the timed updates.
+    """
     flags = MODES[mode]
     plugin = [] if mode in STOCK else ["--user-dir", str(ROOT / "fairseq_fp16")]
     task, optimizer = ("translation", "adam") if mode in STOCK else ("translation_fp16", "fp16_adam")
+    total, prof = updates, []
+    if profile:  # the profiled window: whole updates after the last logged interval
+        total = updates + profile[0] + 1
+        prof = ["--profile-updates", f"{updates + 1}:{profile[0]}", str(profile[1])]
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
-        cmd = [sys.executable, str(ROOT / "scripts" / "run_stats.py"), str(stats), "fairseq-train",
+        cmd = [sys.executable, str(ROOT / "scripts" / "run_stats.py"), *prof, str(stats), "fairseq-train",
                str(data), *plugin, "--task", task, "--optimizer", optimizer, "--lr", "1e-3",
-               *shlex.split(model), "--max-update", str(updates), "--log-format", "simple",
+               *shlex.split(model), "--max-update", str(total), "--log-format", "simple",
                "--log-interval", "5", "--no-save", "--disable-validation", "--seed", "1", *device, *flags]
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV.get(mode, {})})
         if out.returncode != 0:
-            raise SystemExit(f"fairseq-train ({mode}) failed:\n{out.stderr[-2000:]}")
+            raise RunFailed(f"fairseq-train ({mode}) failed:\n{out.stderr[-3000:]}")
         peak = json.loads(stats.read_text())
     text = out.stdout + out.stderr
     ups = [float(x) for x in re.findall(r"\| train_inner \|.* ups=([0-9.]+)", text)][1:]
     wps = [float(x) for x in re.findall(r"\| train_inner \|.* wps=([0-9.]+)", text)][1:]
     if not ups:
-        raise SystemExit(f"fairseq-train ({mode}): no train_inner records; raise --updates")
+        raise RunFailed(f"fairseq-train ({mode}): no train_inner records; raise --updates")
+    if profile and len(ups) + 1 != updates // 5:
+        raise RunFailed(f"fairseq-train ({mode}): the profiled updates reached a logged interval")
     mem = peak["peak_cuda_mb"] if peak["peak_cuda_mb"] else peak["peak_rss_mb"]
-    return 1000.0 / (sum(ups) / len(ups)), sum(wps) / len(wps), mem
+    return 1000.0 / (sum(ups) / len(ups)), sum(wps) / len(wps), mem, peak.get("machine")
 
 
 def main():
@@ -98,6 +126,9 @@ def main():
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--cuda", action="store_true", help="train on the GPU instead of --cpu")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-dir", help="profile each mode after its timed updates; summaries here")
+    ap.add_argument("--profile-updates", type=int, default=3)
+    ap.add_argument("--deadline", type=float, help="seconds after which no further mode starts")
     ap.add_argument("--native-updates", type=int, default=10,
                     help="updates for fp16-native / bf16-native on a CPU without units for their "
                     "dtype (slow; run once, not --repeats times)")
@@ -106,6 +137,10 @@ def main():
     bad = [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
+    if a.updates < 10 or a.updates % 5:
+        ap.error(f"--updates must be a multiple of 5 (the log interval), at least 10; got {a.updates}")
+    if a.profile_dir:
+        Path(a.profile_dir).mkdir(parents=True, exist_ok=True)
     data = a.data
     if data is None:
         from make_toy_corpus import write_corpus
@@ -115,19 +150,39 @@ def main():
     from fairseq_fp16.core.half_matmul import cpu_has_native_half
     import torch
 
-    runs, once = {m: [] for m in modes}, []
-    for _ in range(a.repeats):
+    runs, once, skipped, failed, machine = {m: [] for m in modes}, [], [], {}, None
+    began = time.monotonic()
+    for rep in range(a.repeats):
         for mode in modes:
+            if a.deadline is not None and time.monotonic() - began > a.deadline:
+                skipped.append(f"{mode} (repeat {rep + 1})")
+                continue
             native = {"fp16-native": torch.float16, "bf16-native": torch.bfloat16}.get(mode)
             slow = native is not None and not a.cuda and not cpu_has_native_half(native)
             if slow and runs[mode]:
                 continue  # once is enough for the slow one
             if slow:
                 once.append(mode)
-            runs[mode].append(run(data, mode, a.native_updates if slow else a.updates, a.model, device))
+            profile = None
+            if a.profile_dir and not runs[mode]:
+                profile = (a.profile_updates, Path(a.profile_dir) / f"{mode}.json")
+            if mode in failed:
+                continue
+            try:
+                *result, machine = run(data, mode, a.native_updates if slow else a.updates, a.model,
+                                       device, profile)
+            except RunFailed as e:
+                print(e, file=sys.stderr, flush=True)
+                failed[mode] = str(e).splitlines()[-1][:500]
+                continue
+            runs[mode].append(tuple(result))
             ms_, wps_, mem_ = runs[mode][-1]  # as it goes, so a run cut short still says something
             print(f"  {mode}: {ms_:.1f} ms/update, {wps_:.0f} words/s, {mem_:.0f} MB",
                   file=sys.stderr, flush=True)
+    runs = {m: v for m, v in runs.items() if v}
+    modes = [m for m in modes if m in runs]
+    if not modes:
+        raise SystemExit(f"no mode ran: failed {failed}, skipped {skipped}")
     ms = {m: statistics.median(r[0] for r in v) for m, v in runs.items()}
     wps = {m: statistics.median(r[1] for r in v) for m, v in runs.items()}
     mem = {m: max(r[2] for r in v) for m, v in runs.items()}
@@ -151,6 +206,7 @@ def main():
         "words_ratio_to_first": {k: round(v / wps[first], 3) for k, v in wps.items()},
         "peak_mb": {k: round(v, 1) for k, v in mem.items()}, "peak_kind": mem_kind,
         "peak_ratio_to_first": {k: round(v / mem[first], 3) for k, v in mem.items()},
+        "skipped": skipped, "failed": failed, "machine": machine,
     }))
 
 

@@ -3,6 +3,7 @@
 import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from compare import parse_json_records  # noqa: E402  (the comparison runner's log parser)
 
 BIN = Path(sys.executable).parent
+
+
+def tool_path(tool: str) -> str:
+    """The console script beside this interpreter, else the one on PATH (a GPU machine's
+    staged fairseq: scripts/gpu/build_fairseq.py)."""
+    path = BIN / tool
+    return str(path) if path.exists() else (shutil.which(tool) or str(path))
 
 
 def _cli_env():
@@ -124,7 +132,7 @@ def run_cli(tool, args, check=True):
     if fresh:
         how = f"fresh ({', '.join(fresh)})"
         RUNS[how] = RUNS.get(how, 0) + 1
-        proc = subprocess.run([str(BIN / tool), *args], capture_output=True, text=True, env=env)
+        proc = subprocess.run([tool_path(tool), *args], capture_output=True, text=True, env=env)
     else:
         RUNS["forked"] = RUNS.get("forked", 0) + 1
         server = _servers.get(tool) or _servers.setdefault(tool, _CliServer(tool))
