@@ -48,7 +48,7 @@ else
   export PATH="/tmp/fairseq/bin:$PATH"
   device=(--cuda); opt_device=cuda; params=1e6,1e7,1e8; batches=(16384 32768); updates=30
   # the A/B of the fixes at the first size; the precisions alone at the second
-  modes_a=${MODES_A:-fp32,tf32,fp16,fp16-stock,bf16,fp16-fairseq-attn,fp16-workers4,fp16-compiled}
+  modes_a=${MODES_A:-fp32,tf32,fp16,fp16-stock,bf16,fp16-unfused,fp16-compiled}
   modes_b=${MODES_B:-fp32,tf32,fp16,fp16-stock,bf16}
   data=${DATA:-data/gpu-bench/bin}
   # transformer base (Vaswani et al.): 6+6 layers, d=512, ffn 2048, 8 heads
