@@ -37,40 +37,27 @@ from ..core.diagnostics import (
     attribute_overflow,
     gradient_precision_stats,
 )
-from ..core.loss_scaler import LossScaler, parse_loss_scale
+from ..core.loss_scaler import LossScaler
 from ..core.master_weights import MixedPrecisionOptimizer
+from ..precision import NAMES, Precision
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MixedPrecisionFairseqOptimizer", "build_loss_scaler", "precision_of"]
-
-PRECISIONS = ("fp32", "fp16", "bf16")
+__all__ = ["MixedPrecisionFairseqOptimizer", "build_loss_scaler"]
 
 
-def precision_of(cfg) -> str:
-    """'fp16', 'bf16' or 'fp32' from fairseq's ``--fp16``/``--bf16`` flags."""
-    fp16, bf16 = bool(cfg.common.fp16), bool(cfg.common.bf16)
-    if fp16 and bf16:
-        raise ValueError("--fp16 and --bf16 are exclusive: pick one precision")
-    return "fp16" if fp16 else "bf16" if bf16 else "fp32"
-
-
-def build_loss_scaler(cfg, precision: str, device: torch.device) -> LossScaler:
+def build_loss_scaler(cfg, precision: Precision, device: torch.device) -> LossScaler:
     """The loss scaler for a run, from fairseq's flags and the task's.
 
-    ``--loss-scale`` (task ``translation_fp16``): unset = dynamic for fp16 and
-    no scaling (a static 1) for bf16; 0 = dynamic; a power of two = static.
+    ``precision.loss_scale`` (``--loss-scale``): dynamic, static, or none (a static 1).
     Dynamic scaling reads ``--fp16-init-scale``, ``--fp16-scale-window``,
     ``--fp16-scale-tolerance``, ``--min-loss-scale``, ``--threshold-loss-scale``
     and ``--loss-scale-hysteresis``.
     """
-    task_cfg = cfg.task
-    scale = parse_loss_scale(getattr(task_cfg, "loss_scale", None))
-    hysteresis = int(getattr(task_cfg, "loss_scale_hysteresis", 1) or 1)
-    if scale is None:
-        scale = 0.0 if precision == "fp16" else 1.0
-    if scale > 0:
-        return LossScaler(scale, dynamic=False, device=device)
+    spec = precision.loss_scale
+    if not spec.dynamic:
+        return LossScaler(spec.scale or 1.0, dynamic=False, device=device)
+    hysteresis = int(getattr(cfg.task, "loss_scale_hysteresis", 1) or 1)
     window = cfg.common.fp16_scale_window
     if window is None:
         world = max(1, int(cfg.distributed_training.distributed_world_size))
@@ -105,51 +92,54 @@ class _ScaleView:
 class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
     """fp32 master weights + loss scaling for any fairseq optimizer.
 
+    The work is done by a strategy chosen once from the precision: :class:`_Passthrough`
+    (fp32: every call goes to fairseq's optimizer unchanged) or :class:`_MasterWeights`
+    (fp16/bf16). One class for all precisions keeps the ``optimizer_name`` that fairseq stores
+    in checkpoints the same, so a run resumes across precisions.
+
     Args:
         cfg: the full fairseq config (``optimizer``, ``common``, ``task``...).
         params: the model's trainable parameters, in the model's dtype.
-        precision: 'fp32', 'fp16' or 'bf16'.
+        precision: a :class:`~fairseq_fp16.precision.Precision` or its name.
     """
 
-    def __init__(self, cfg, params, precision: str) -> None:
+    def __init__(self, cfg, params, precision) -> None:
         super().__init__(cfg.optimizer)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        self.precision = precision
+        if not isinstance(precision, Precision):
+            if precision not in NAMES:
+                raise ValueError(f"precision must be one of {NAMES}, got {precision!r}")
+            precision = Precision.from_flags(precision == "fp16", precision == "bf16",
+                                             getattr(cfg.task, "loss_scale", None))
+        self.precision = precision.name
         params = list(params)
-        self.overflow_pending = False  # set by an overflow, cleared by zero_grad
         self.num_skipped = 0  # updates skipped for overflow (host-side count)
-        self._params = params
-        self.diagnostics = None
         self.consecutive_overflows = 0  # skipped updates in a row (host-side)
-        self.max_consecutive_overflows = int(
-            getattr(cfg.task, "max_consecutive_overflows", 0) or 0)
-        self.watch: Optional[NonFiniteWatch] = None
-        self._losses = []  # this update's losses, read only on an overflow
+        self.overflow_pending = False  # set by an overflow, cleared by zero_grad
         self.stop_error: Optional[FloatingPointError] = None  # why the run stopped
-        if precision == "fp32":
-            self.inner = optim.build_optimizer(cfg.optimizer, params)
-            self.core: Optional[MixedPrecisionOptimizer] = None
-            self.loss_scaler: Optional[LossScaler] = None
+        self._params = params
+        if precision.is_half:
+            self.strategy = _MasterWeights(self, cfg, params, precision)
         else:
-            self.loss_scaler = build_loss_scaler(cfg, precision, params[0].device)
-            built: Dict[str, FairseqOptimizer] = {}
-
-            def build(master_params):
-                built["inner"] = optim.build_optimizer(cfg.optimizer, master_params)
-                return built["inner"].optimizer
-
-            self.core = MixedPrecisionOptimizer(params, build, self.loss_scaler)
-            self.inner = built["inner"]
-            self.scaler = _ScaleView(self.loss_scaler)
-            self.diagnostics = Diagnostics.from_cfg(cfg, precision)
-            logger.info(
-                "fairseq_fp16: %s model, fp32 master weights, %s, %s step",
-                precision,
-                self.loss_scaler,
-                "fused (no host sync)" if self.core.fused_amp else "unfused (1 host sync)",
-            )
+            self.strategy = _Passthrough(self, cfg, params)
+        self.inner = self.strategy.inner
         self._optimizer = self.inner.optimizer
+
+    # what the trainer, the task and the diagnostics read
+    @property
+    def core(self) -> Optional[MixedPrecisionOptimizer]:
+        return self.strategy.core
+
+    @property
+    def loss_scaler(self) -> Optional[LossScaler]:
+        return self.strategy.loss_scaler
+
+    @property
+    def diagnostics(self):
+        return self.strategy.diagnostics
+
+    @property
+    def watch(self) -> Optional[NonFiniteWatch]:
+        return self.strategy.watch
 
     @property
     def optimizer_config(self):
@@ -161,26 +151,124 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
 
     def watch_forward(self, model: torch.nn.Module) -> None:
         """Hook ``model`` so that a run that cannot heal names its first non-finite module."""
-        if self.core is not None and self.max_consecutive_overflows and self.watch is None:
-            self.watch = NonFiniteWatch(model)
+        self.strategy.watch_forward(model)
 
-    # ------------------------------------------------------------- training
     def backward(self, loss):
-        if self.core is None:
-            self.inner.backward(loss)
-        else:
-            self._losses.append(loss.detach())
-            self.core.backward(loss)
+        self.strategy.backward(loss)
 
     def multiply_grads(self, c):
-        if self.core is None:
-            self.inner.multiply_grads(c)
-        else:
-            self.core.multiply_grads(c)
+        self.strategy.multiply_grads(c)
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
-        if self.core is None:
-            return self.inner.clip_grad_norm(max_norm, aggregate_norm_fn)
+        return self.strategy.clip_grad_norm(max_norm, aggregate_norm_fn)
+
+    def step(self, closure=None, scale=1.0, groups=None):
+        return self.strategy.step(closure, scale, groups)
+
+    def zero_grad(self):
+        self.overflow_pending = False
+        self.strategy.zero_grad()
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = self.strategy.state_dict()
+        state["precision"] = self.precision
+        state["num_skipped"] = self.num_skipped
+        return state
+
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        """Load a state from any precision, or a bare torch optimizer state."""
+        if "precision" not in state_dict:  # a plain optimizer state
+            state_dict = {"precision": "fp32", "optimizer": state_dict}
+        self.num_skipped = int(state_dict.get("num_skipped", 0))
+        self.consecutive_overflows = int(state_dict.get("consecutive_overflows", 0))
+        self.strategy.load_state_dict(state_dict, optimizer_overrides)
+
+
+class _Passthrough:
+    """fp32: fairseq's optimizer, every call passed through unchanged."""
+
+    core = None
+    loss_scaler = None
+    diagnostics = None
+    watch = None
+
+    def __init__(self, owner: MixedPrecisionFairseqOptimizer, cfg, params) -> None:
+        self.owner = owner
+        self.inner = optim.build_optimizer(cfg.optimizer, params)
+
+    def watch_forward(self, model) -> None:
+        pass
+
+    def backward(self, loss):
+        self.inner.backward(loss)
+
+    def multiply_grads(self, c):
+        self.inner.multiply_grads(c)
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        return self.inner.clip_grad_norm(max_norm, aggregate_norm_fn)
+
+    def step(self, closure=None, scale=1.0, groups=None):
+        return self.inner.step(closure, scale=scale, groups=groups)
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.inner.state_dict()}
+
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        self.inner.load_state_dict(state_dict["optimizer"], optimizer_overrides)
+        # A half checkpoint continuing in fp32: take the exact fp32 masters instead of the
+        # rounded half weights.
+        params = self.owner._params
+        with torch.no_grad():
+            for i, t in (state_dict.get("master_params") or {}).items():
+                if int(i) >= len(params) or params[int(i)].shape != t.shape:
+                    raise ValueError("checkpoint's fp32 master weights do not match the model")
+                params[int(i)].copy_(t)
+
+
+class _MasterWeights:
+    """fp16/bf16: fp32 master weights, the loss scaler and fairseq's overflow protocol."""
+
+    def __init__(self, owner: MixedPrecisionFairseqOptimizer, cfg, params, precision: Precision) -> None:
+        self.owner = owner
+        self.precision = precision
+        self.max_consecutive_overflows = int(getattr(cfg.task, "max_consecutive_overflows", 0) or 0)
+        self.watch: Optional[NonFiniteWatch] = None
+        self._losses = []  # this update's losses, read only on an overflow
+        self.loss_scaler = build_loss_scaler(cfg, precision, params[0].device)
+        built: Dict[str, FairseqOptimizer] = {}
+
+        def build(master_params):
+            built["inner"] = optim.build_optimizer(cfg.optimizer, master_params)
+            return built["inner"].optimizer
+
+        self.core = MixedPrecisionOptimizer(params, build, self.loss_scaler)
+        self.inner = built["inner"]
+        owner.scaler = _ScaleView(self.loss_scaler)
+        self.diagnostics = Diagnostics.from_cfg(cfg, precision.name)
+        logger.info(
+            "fairseq_fp16: %s model, fp32 master weights, %s, %s step",
+            precision.name,
+            self.loss_scaler,
+            "fused (no host sync)" if self.core.fused_amp else "unfused (1 host sync)",
+        )
+
+    def watch_forward(self, model: torch.nn.Module) -> None:
+        if self.max_consecutive_overflows and self.watch is None:
+            self.watch = NonFiniteWatch(model)
+
+    def backward(self, loss):
+        self._losses.append(loss.detach())
+        self.core.backward(loss)
+
+    def multiply_grads(self, c):
+        self.core.multiply_grads(c)
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        owner = self.owner
         grad_norm = self.core.clip_grad_norm(max_norm)
         if aggregate_norm_fn is not None:
             grad_norm = aggregate_norm_fn(grad_norm)
@@ -191,8 +279,8 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         if diag is not None:
             diag.attempt += 1
         if overflow:
-            self.overflow_pending = True
-            self.num_skipped += 1
+            owner.overflow_pending = True
+            owner.num_skipped += 1
             # Only on this (already synced) overflow step: name the culprits.
             culprits = attribute_overflow(self.core.model_params)
             logger.info("gradient overflow in: %s", ", ".join(
@@ -200,22 +288,22 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             self.core.skip_step()
             self._log_counters()
             if diag is not None:
-                diag.trace(self, grad_norm, overflow=True, culprits=culprits)
+                diag.trace(owner, grad_norm, overflow=True, culprits=culprits)
             try:
                 self.loss_scaler.check_min_scale()  # FloatingPointError stops the run
                 self._count_overflow(culprits)
             except FloatingPointError as e:
-                self.stop_error = e  # the trainer hook re-raises it if fairseq's re-run fails
+                owner.stop_error = e  # the trainer patch re-raises it if fairseq's re-run fails
                 raise
             raise OverflowError(f"setting loss scale to: {self.loss_scaler.loss_scale:.12g}")
-        self.consecutive_overflows = 0
+        owner.consecutive_overflows = 0
         if self.watch is not None:
             self.watch.disarm()
         self._log_counters()
         if diag is not None:
             diag.pending_norm = grad_norm
             if diag.stats_due():
-                diag.measure_gradients(self)
+                diag.measure_gradients(owner)
         return grad_norm
 
     def _count_overflow(self, culprits) -> None:
@@ -234,8 +322,8 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         loss_finite = all(bool(torch.isfinite(t).all()) for t in self._losses)  # synced already
         if loss_finite and self.loss_scaler.dynamic:
             return
-        self.consecutive_overflows += 1
-        if self.consecutive_overflows < limit:
+        self.owner.consecutive_overflows += 1
+        if self.owner.consecutive_overflows < limit:
             return
         first = self.watch.first if self.watch is not None else None
         if first is not None:
@@ -254,19 +342,17 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
                      "lower --lr, clip with --clip-norm, or keep those modules in fp32 "
                      "(--fp32-modules)")
         raise FloatingPointError(
-            f"fairseq_fp16: {self.consecutive_overflows} consecutive updates skipped for "
+            f"fairseq_fp16: {self.owner.consecutive_overflows} consecutive updates skipped for "
             f"non-finite gradients (--max-consecutive-overflows {limit}; loss scale now "
             f"{self.loss_scaler.loss_scale:.6g}): {cause}"
         )
 
     def _log_counters(self) -> None:
-        metrics.log_scalar("skipped", self.num_skipped, priority=710, round=0, weight=0)
-        if self.precision == "bf16":  # the trainer logs loss_scale for fp16 only
-            metrics.log_scalar("loss_scale", self.scaler.loss_scale, priority=700, round=4, weight=0)
+        metrics.log_scalar("skipped", self.owner.num_skipped, priority=710, round=0, weight=0)
+        if self.precision.name == "bf16":  # the trainer logs loss_scale for fp16 only
+            metrics.log_scalar("loss_scale", self.owner.scaler.loss_scale, priority=700, round=4, weight=0)
 
     def step(self, closure=None, scale=1.0, groups=None):
-        if self.core is None:
-            return self.inner.step(closure, scale=scale, groups=groups)
         if closure is not None:
             raise ValueError("the mixed-precision optimizer does not take a closure")
         if scale != 1.0:
@@ -276,51 +362,24 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             diag.lost.before_step(self.core.master_params)
         self.core.step()
         if diag is not None:
-            diag.after_step(self)
+            diag.after_step(self.owner)
 
     def zero_grad(self):
-        self.overflow_pending = False
         self._losses = []
-        if self.core is None:
-            self.inner.zero_grad()
-        else:
-            self.core.zero_grad()
+        self.core.zero_grad()
 
-    # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> Dict[str, Any]:
-        if self.core is None:
-            return {"precision": "fp32", "optimizer": self.inner.state_dict(),
-                    "num_skipped": self.num_skipped}
         state = self.core.state_dict()
-        state["precision"] = self.precision
-        state["num_skipped"] = self.num_skipped
-        state["consecutive_overflows"] = self.consecutive_overflows
+        state["consecutive_overflows"] = self.owner.consecutive_overflows
         return state
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
-        """Load a state from any precision, or a bare torch optimizer state."""
-        if "precision" not in state_dict:  # a plain optimizer state
-            state_dict = {"precision": "fp32", "optimizer": state_dict}
-        self.num_skipped = int(state_dict.get("num_skipped", 0))
-        self.consecutive_overflows = int(state_dict.get("consecutive_overflows", 0))
-        masters = state_dict.get("master_params") or {}
-        if self.core is None:
-            self.inner.load_state_dict(state_dict["optimizer"], optimizer_overrides)
-            # An fp16 checkpoint continuing in fp32: take the exact fp32
-            # masters instead of the rounded half weights.
-            params = self._params
-            with torch.no_grad():
-                for i, t in masters.items():
-                    if int(i) >= len(params) or params[int(i)].shape != t.shape:
-                        raise ValueError("checkpoint's fp32 master weights do not match the model")
-                    params[int(i)].copy_(t)
-            return
         saved = dict(state_dict)
         if state_dict["precision"] == "fp32":
             saved["scaler"] = None  # an fp32 run has no scale to continue
         self.core.load_state_dict(saved)
         if optimizer_overrides:
-            for group in self.param_groups:
+            for group in self.owner.param_groups:
                 group.update(optimizer_overrides)
 
 
