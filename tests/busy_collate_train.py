@@ -3,9 +3,10 @@
 ``python busy_collate_train.py ARGS`` runs ``fairseq-train ARGS`` after making
 ``LanguagePairDataset.collater`` do a few large matrix products first, so that
 when training ends, fairseq's prefetch thread is almost surely inside a torch
-call: the timing behind the abort at exit that fairseq_fp16.clean_exit removes.
+call: the timing behind the abort at exit that fairseq_fp16.patches.prefetch removes.
 """
 
+import functools
 import sys
 
 import torch
@@ -14,6 +15,7 @@ from fairseq.data import language_pair_dataset
 _collater = language_pair_dataset.LanguagePairDataset.collater
 
 
+@functools.wraps(_collater)  # the plugin checks the wrapped collater's source
 def _busy_collater(self, samples, **kwargs):
     a = torch.randn(1200, 1200)
     for _ in range(3):

@@ -161,7 +161,7 @@ def train(data, save_dir, *extra, user_dir=True, model=TINY_MODEL, check=True, c
 
 def stock_abort_at_exit(proc) -> bool:
     """Stock fairseq's abort after its work is done (a prefetch thread ended inside torch at exit;
-    fairseq_fp16/clean_exit.py, tests/test_clean_exit.py): the run finished and saved, then the
+    fairseq_fp16/patches/prefetch.py, tests/test_clean_exit.py): the run finished and saved, then the
     process got SIGABRT. It strikes now and then; a test that only needs a stock checkpoint
     accepts it (the plugin's runs never do)."""
     return (proc.returncode == -6 and "done training" in proc.stdout + proc.stderr

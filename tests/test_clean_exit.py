@@ -1,4 +1,4 @@
-"""fairseq's batch-prefetch thread must not abort the process at exit (fairseq_fp16.clean_exit)."""
+"""fairseq's batch-prefetch thread must not abort the process at exit (fairseq_fp16.patches.prefetch)."""
 
 import os
 import subprocess
@@ -9,7 +9,8 @@ import pytest
 from conftest import ROOT, TINY_MODEL, TRAIN, USER_DIR, stock_abort_at_exit
 from fairseq.data import iterators
 
-from fairseq_fp16 import clean_exit
+from fairseq_fp16 import patches
+from fairseq_fp16.patches import prefetch
 
 BUSY_TRAIN = ROOT / "tests" / "busy_collate_train.py"
 
@@ -65,25 +66,26 @@ def test_exit_handler_stops_a_consumer_blocked_on_a_full_queue():
     assert consumer.is_alive()
     try:
         start = time.monotonic()
-        clean_exit.stop_consumers(timeout=5)
+        prefetch.stop_consumers(timeout=5)
         assert not consumer.is_alive()
         assert time.monotonic() - start < 1.0
     finally:
-        clean_exit._STOP.clear()  # in this process consumers must keep working
+        prefetch._STOP.clear()  # in this process consumers must keep working
 
 
 def test_install_refuses_a_consumer_it_does_not_know(monkeypatch):
-    clean_exit.uninstall()
+    patches.uninstall()
 
     def run(self):
         pass
 
     monkeypatch.setattr(iterators.BackgroundConsumer, "run", run)
     try:
-        with pytest.raises(RuntimeError, match=r"BackgroundConsumer\.run no longer contains"):
-            clean_exit.install()
-        assert not clean_exit.is_installed()
+        with pytest.raises(RuntimeError, match=r"BackgroundConsumer\.run changed \('for item in self\._source:' "
+                                               r"not found\)"):
+            patches.install()
+        assert not patches.is_installed()
     finally:
         monkeypatch.undo()
-        clean_exit.install()
-    assert iterators.BackgroundConsumer.run is clean_exit._run
+        patches.install()
+    assert iterators.BackgroundConsumer.run is prefetch._run

@@ -1,6 +1,6 @@
 """Multi-process training on the CPU (gloo): torchrun and fairseq's own spawn, with the plugin.
 
-Stock fairseq 0.12 cannot do either off CUDA; see trainer_hook's distributed section.
+Stock fairseq 0.12 cannot do either off CUDA; see fairseq_fp16/patches/distributed.py.
 """
 
 import json
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import BIN, parse_json_records
-from fairseq_fp16.trainer_hook import _free_port
+from fairseq_fp16.patches.distributed import _free_port
 from test_reliability import fault_args
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The trainer hook: idempotent, reversible, and loud when fairseq's internals change."""
+"""fairseq_fp16.patches: every change to fairseq in one registry, checked against the installed
+fairseq, installed and uninstalled together."""
 
 import re
 import subprocess
@@ -7,34 +8,47 @@ import textwrap
 
 import pytest
 
-import fairseq_fp16  # noqa: F401  (installs the hook)
+import fairseq_fp16  # noqa: F401  (installs the patches)
 from fairseq import checkpoint_utils, options
 from fairseq import trainer as fairseq_trainer
-from fairseq_fp16 import trainer_hook
+from fairseq.tasks.fairseq_task import FairseqTask
+from fairseq_fp16 import patches
+from fairseq_fp16.patches import REGISTRY, Patch
+from fairseq_fp16.patches.registry import Registry
+
+REPLACED = [p for p in REGISTRY.patches if p.replacement is not None]
 
 
-def test_install_is_idempotent_and_uninstall_restores_fairseq():
-    cls = fairseq_trainer.Trainer
-    ours = cls._build_optimizer
-    trainer_hook.install()
-    assert cls._build_optimizer is ours and trainer_hook.is_installed()
-    trainer_hook.uninstall()
+def test_uninstall_restores_every_original_and_install_puts_every_replacement_back():
+    assert patches.is_installed() and len(REPLACED) >= 15
+    originals = {p.target: p.original for p in REPLACED}
+    patches.install()  # idempotent
+    assert {p.target: p.original for p in REPLACED} == originals
+    patches.uninstall()
     try:
-        assert cls._build_optimizer is trainer_hook._ORIGINALS["_build_optimizer"]
-        assert cls.train_step is trainer_hook._ORIGINALS["train_step"]
-        for module, name in [(checkpoint_utils, "load_checkpoint_to_cpu"), (checkpoint_utils, "PathManager"),
-                             (options, "parse_args_and_arch")]:
-            assert getattr(module, name) is trainer_hook._ORIGINALS[name], name
-        for module, name, _ in trainer_hook._DISTRIBUTED_REPLACEMENTS:
-            assert getattr(module, name) is trainer_hook._ORIGINALS[name], name
-        assert not trainer_hook.is_installed()
+        assert not patches.is_installed()
+        for p in REPLACED:
+            assert p.current() is originals[p.target], p.target
     finally:
-        trainer_hook.install()
-    assert cls._build_optimizer is ours
-    assert checkpoint_utils.PathManager.copy is trainer_hook._AtomicCopyPathManager.copy
-    assert options.parse_args_and_arch is trainer_hook._parse_args_and_arch
-    for module, name, ours in trainer_hook._DISTRIBUTED_REPLACEMENTS:
-        assert getattr(module, name) is ours, name
+        patches.install()
+    for p in REPLACED:
+        assert p.current() is p.replacement, p.target
+    assert fairseq_trainer.Trainer.train_step is patches.trainer._train_step
+    assert options.parse_args_and_arch is patches.options._parse_args_and_arch
+
+
+def test_each_target_is_patched_once_and_every_patch_says_why():
+    targets = [p.target for p in REGISTRY.patches]
+    assert len(targets) == len(set(targets))
+    assert all(p.group in ("repair", "precision") and len(p.why) > 40 for p in REGISTRY.patches)
+    with pytest.raises(ValueError, match="fairseq.trainer:Trainer.train_step is patched twice"):
+        REGISTRY.add(Patch("fairseq.trainer:Trainer.train_step", why="again", group="repair"))
+    with pytest.raises(ValueError, match="group must be one of"):
+        Patch("fairseq.trainer:Trainer.x", why="", group="feature")
+    table = patches.describe().splitlines()
+    assert table[0] == "| fairseq | group | kind | why |" and len(table) == len(targets) + 2
+    groups = [row.split(" | ")[1] for row in table[2:]]
+    assert groups == sorted(groups, key=("repair", "precision").index)  # repairs first
 
 
 def test_atomic_copy_replaces_the_destination_whole(tmp_path):
@@ -47,26 +61,71 @@ def test_atomic_copy_replaces_the_destination_whole(tmp_path):
     assert checkpoint_utils.PathManager.isfile(str(dst))  # everything else delegates
 
 
-def test_fairseq_internals_are_as_expected():
-    trainer_hook.check_fairseq_internals()
+def test_fairseq_is_what_every_patch_expects():
+    REGISTRY.check()
 
 
-def test_changed_fairseq_internals_fail_loudly():
-    class ChangedTrainer:
-        def __init__(self, cfg, task, model, criterion, quantizer=None):
-            self.tpu = cfg.common.tpu
-            self._model = self._model.half()
+def test_a_changed_fairseq_is_refused_before_anything_is_installed(monkeypatch):
+    patches.uninstall()
 
-        def _build_optimizer(self):
-            self._optimizer = None  # no FP16Optimizer any more
+    def _build_optimizer(self):
+        self._optimizer = None  # no FP16Optimizer any more
 
-    saved = dict(trainer_hook._ORIGINALS)
-    trainer_hook._ORIGINALS.clear()
+    monkeypatch.setattr(fairseq_trainer.Trainer, "_build_optimizer", _build_optimizer)
     try:
-        with pytest.raises(RuntimeError, match=r"Trainer._build_optimizer changed .*FP16Optimizer"):
-            trainer_hook.check_fairseq_internals(ChangedTrainer)
+        with pytest.raises(RuntimeError, match=re.escape(
+                "fairseq_fp16: fairseq.trainer:Trainer._build_optimizer changed "
+                "('optim.FP16Optimizer.build_optimizer(self.cfg, params)' not found); "
+                "this plugin supports fairseq 0.12")):
+            patches.install()
+        assert not any(p.installed for p in REGISTRY.patches)
+        assert fairseq_trainer.Trainer.train_step is not patches.trainer._train_step
     finally:
-        trainer_hook._ORIGINALS.update(saved)
+        monkeypatch.undo()
+        patches.install()
+    assert patches.is_installed()
+
+
+def test_a_changed_signature_is_refused(monkeypatch):
+    patches.uninstall()
+
+    def get_batch_iterator(self, dataset, max_tokens=None, seed=1, max_sentences=None):
+        with data_utils.numpy_seed(seed + epoch):  # noqa: F821  (source text only)
+            indices = dataset.ordered_indices()  # noqa: F841
+
+    monkeypatch.setattr(FairseqTask, "get_batch_iterator", get_batch_iterator)
+    try:
+        with pytest.raises(RuntimeError, match=r"FairseqTask.get_batch_iterator changed \(seed is not "
+                                               r"argument 5 after dataset"):
+            patches.install()
+    finally:
+        monkeypatch.undo()
+        patches.install()
+
+
+def test_a_patch_restores_what_it_replaced_on_a_class_and_a_module():
+    import types
+
+    module = types.ModuleType("fake_fairseq_module")
+
+    class Owner:
+        def method(self):
+            return "original"
+
+    module.Owner, module.value = Owner, 1
+    sys.modules["fake_fairseq_module"] = module
+    try:
+        registry = Registry()
+        registry.add(Patch("fake_fairseq_module:Owner.method", why="w", group="repair",
+                           replacement=lambda self: "patched", expects=['return "original"']))
+        registry.add(Patch("fake_fairseq_module:value", why="w", group="repair", replacement=2))
+        registry.install()
+        assert Owner().method() == "patched" and module.value == 2
+        assert registry.original("fake_fairseq_module:Owner.method")(None) == "original"
+        registry.uninstall()
+        assert Owner().method() == "original" and module.value == 1 and not registry.installed
+    finally:
+        del sys.modules["fake_fairseq_module"]
 
 
 def test_core_imports_without_fairseq(tmp_path):

@@ -161,35 +161,38 @@ def test_unknown_choice_refused_naming_the_flag():
         resolve_half_matmul("fast", torch.float16)
 
 
-def test_task_activates_the_mode_exactly_during_its_steps(monkeypatch):
-    from fairseq.tasks.translation import TranslationTask
+def test_task_steps_run_in_the_mode_exactly_during_their_call(monkeypatch):
+    # fairseq_fp16.patches.tasks wraps FairseqTask's steps for every task
+    from types import SimpleNamespace
 
-    from fairseq_fp16.tasks.translation_fp16 import TranslationFP16Task
+    from fairseq_fp16.patches import REGISTRY
+    from fairseq_fp16.patches import tasks as task_patches
 
     seen, checks = {}, []
 
-    def step(self, *args, _n, **kwargs):
+    def step(*args, _n, **kwargs):
         seen[_n] = _get_current_function_mode()
         checks.append((_n, type(_get_current_dispatch_mode()).__name__))
 
     for name in ("train_step", "valid_step", "inference_step"):
-        monkeypatch.setattr(TranslationTask, name, functools.partialmethod(step, _n=name))
-    task = TranslationFP16Task.__new__(TranslationFP16Task)
-    task.fp32_accumulate, task._checked_steps = True, set()
-    task.cfg = type("Cfg", (), {"precision_divergence_interval": 0})()
+        patch = REGISTRY.get(f"fairseq.tasks.fairseq_task:FairseqTask.{name}")
+        monkeypatch.setattr(patch, "original", functools.partial(step, _n=name))
+    task = SimpleNamespace(cfg=SimpleNamespace(precision_divergence_interval=0))
+    state = SimpleNamespace(fp32_accumulate=True, checked_steps=set(), divergence_done=None)
+    task._fairseq_fp16_state = state
     for _ in range(2):
-        task.train_step(None, None, None, None, 0)
-        task.valid_step(None, None, None)
-        task.inference_step(None, None, None)
+        task_patches._train_step(task, None, None, None, None, 0)
+        task_patches._valid_step(task, None, None, None)
+        task_patches._inference_step(task, None, None, None)
     assert all(isinstance(m, Fp32AccumulateFunctions) for m in seen.values()) and len(seen) == 3
     # the first training and generation steps count the products that escape the mode
     assert checks == [("train_step", "NativeHalfProducts"), ("valid_step", "NoneType"),
                       ("inference_step", "NativeHalfProducts"), ("train_step", "NoneType"),
                       ("valid_step", "NoneType"), ("inference_step", "NoneType")]
     assert _get_current_function_mode() is None and _get_current_dispatch_mode() is None
-    task.fp32_accumulate = False
+    state.fp32_accumulate = False
     seen.clear()
-    task.train_step(None, None, None, None, 0)
+    task_patches._train_step(task, None, None, None, None, 0)
     assert seen["train_step"] is None
 
 
@@ -227,12 +230,11 @@ def test_native_half_products_counts_what_escapes_the_modes():
 def test_first_training_step_logs_the_products_that_escaped(caplog):
     from types import SimpleNamespace
 
-    from fairseq_fp16.tasks.translation_fp16 import TranslationFP16Task
+    from fairseq_fp16.patches.tasks import _native_products_check as check
 
-    task = SimpleNamespace(fp32_accumulate=True, _checked_steps=set())
-    check = TranslationFP16Task._native_products_check
+    task = SimpleNamespace(fp32_accumulate=True, checked_steps=set())
     x = rand(4, 16, dtype=torch.bfloat16)
-    with caplog.at_level("INFO", logger="fairseq_fp16.tasks.translation_fp16"):
+    with caplog.at_level("INFO", logger="fairseq_fp16.patches.tasks"):
         mm = torch.ops.aten.mm  # called directly: below the function mode
         with Fp32AccumulateFunctions(), check(task, "training step"):
             mm(mm(x, x.t()), x)

@@ -38,8 +38,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-import fairseq_fp16  # noqa: F401  (registers the plugin; installs its hook)
-from fairseq_fp16 import trainer_hook
+import fairseq_fp16  # noqa: F401  (registers the plugin; installs its patches)
+from fairseq_fp16.patches import REGISTRY
 from fairseq_fp16.optim.mixed_precision import _rank
 
 
@@ -108,7 +108,7 @@ class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
 
 def _install_copy_faults() -> None:
     if os.environ.get("FAULT_STOCK_COPY") == "1":
-        checkpoint_utils.PathManager = trainer_hook._ORIGINALS["PathManager"]
+        checkpoint_utils.PathManager = REGISTRY.original("fairseq.checkpoint_utils:PathManager")
     kill_at = int(os.environ.get("FAULT_KILL_IN_COPY", "0"))
     if not kill_at:
         return

@@ -1,0 +1,131 @@
+"""Patches of ``fairseq.checkpoint_utils``: atomic copies of checkpoint files, and errors that
+name a damaged or refused checkpoint file."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+
+from fairseq.file_io import PathManager
+
+from .. import safe_load
+from .registry import Patch
+
+COPY = "fairseq.checkpoint_utils:PathManager"
+SAVE = "fairseq.checkpoint_utils:save_checkpoint"
+LOAD = "fairseq.checkpoint_utils:load_checkpoint_to_cpu"
+
+
+def _original(target):
+    from . import REGISTRY
+
+    return REGISTRY.original(target)
+
+
+def atomic_copy(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` through ``dst.tmp`` and a rename: ``dst`` is old or whole."""
+    tmp = dst + ".tmp"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+class _AtomicCopyPathManager:
+    """fairseq's ``PathManager`` with an atomic ``copy`` for local files."""
+
+    def __getattr__(self, name):
+        return getattr(PathManager, name)
+
+    @staticmethod
+    def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+        if "://" in src_path or "://" in dst_path:  # a remote store: fairseq's copy
+            return PathManager.copy(src_path, dst_path, overwrite=overwrite)
+        if os.path.exists(dst_path) and not overwrite:
+            return False
+        atomic_copy(src_path, dst_path)
+        return True
+
+
+_UNSAFE_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|Unsupported global: GLOBAL ([\w.]+)")
+
+
+def describe_load_error(path: str, err: BaseException) -> str:
+    """What went wrong loading checkpoint ``path``, and what to do."""
+    text = str(err)
+    if isinstance(err, pickle.UnpicklingError) and "GLOBAL" in text:
+        m = _UNSAFE_GLOBAL.search(text)
+        name = (m.group(1) or m.group(2)) if m else "?"
+        allowed = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in safe_load.FAIRSEQ_CHECKPOINT_GLOBALS)
+        return (
+            f"fairseq_fp16: refused to load checkpoint {path}: it holds the pickled global "
+            f"{name}, outside the allow-list of fairseq checkpoints ({allowed}); weights-only "
+            "loading stopped before running anything. fairseq-train never writes such a "
+            "global: the file was made or altered by another program"
+        )
+    others = []
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        others = sorted(  # newest first
+            (f for f in os.listdir(folder)
+             if f.endswith(".pt") and os.path.join(folder, f) != os.path.abspath(path)),
+            key=lambda f: -os.path.getmtime(os.path.join(folder, f)),
+        )
+    hint = (f"other checkpoints in {folder}: {', '.join(others)} (resume from one with "
+            "--restore-file), or move the file away to start over") if others else \
+        "move the file away to start over"
+    first_line = text.strip().splitlines()[0].split(". ")[0][:200] if text.strip() else ""
+    return (
+        f"fairseq_fp16: checkpoint {path} is truncated or corrupt "
+        f"({type(err).__name__}: {first_line}); nothing was loaded or overwritten; {hint}"
+    )
+
+
+#: torch's checkpoint readers: an exception raised in them means the bytes could not be read.
+_TORCH_READERS = ("serialization.py", "_weights_only_unpickler.py")
+
+
+def _raised_reading(err: BaseException) -> bool:
+    """Whether ``err`` was raised while ``torch.load`` read the file.
+
+    Unpickling damaged bytes fails in many ways (``UnpicklingError`` mostly,
+    but also ``IndexError``, ``KeyError``, ``UnicodeDecodeError``, ``EOFError``
+    from the weights-only unpickler), so the place decides, not the type.
+    """
+    tb = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code.co_filename
+        if os.path.basename(code) in _TORCH_READERS and os.path.basename(os.path.dirname(code)) == "torch":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+    try:
+        return _original(LOAD)(path, arg_overrides, load_on_all_ranks)
+    except Exception as e:
+        damaged = isinstance(e, (pickle.UnpicklingError, EOFError)) or _raised_reading(e)
+        if isinstance(e, RuntimeError) and not any(
+            k in str(e) for k in ("PytorchStreamReader", "zip archive", "unexpected EOF")
+        ):
+            damaged = False  # e.g. a device or version problem of a readable file
+        if not damaged:
+            raise
+        raise RuntimeError(describe_load_error(str(path), e)) from e
+
+
+PATCHES = [
+    Patch(COPY, group="repair", replacement=_AtomicCopyPathManager(),
+          why="save_checkpoint writes the first file of a save atomically but copies it to "
+              "checkpoint_last.pt/checkpoint_best.pt in place, so a kill during the copy leaves "
+              "a truncated file; the module's PathManager copies local files through .tmp and a "
+              "rename"),
+    Patch(SAVE, group="repair", expects=["PathManager.copy(", "trainer.save_checkpoint(checkpoints[0], extra_state)"],
+          why="relied on: save_checkpoint copies through the module's PathManager (above)"),
+    Patch(LOAD, group="repair", replacement=_load_checkpoint_to_cpu,
+          expects=['torch.load(f, map_location=torch.device("cpu"))'],
+          why="train resume and fairseq-generate load checkpoints here; torch's errors for a "
+              "truncated or corrupt file, or a pickled global outside the allow-list of "
+              "fairseq checkpoints, become messages naming the file and what to do"),
+]

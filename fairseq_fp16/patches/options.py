@@ -1,0 +1,33 @@
+"""Patch of fairseq's option parsing: ``--fp16 --bf16`` refused naming both flags."""
+
+from __future__ import annotations
+
+import sys
+
+from ..precision import EXCLUSIVE
+from .registry import Patch
+
+PARSE = "fairseq.options:parse_args_and_arch"
+
+
+def _original(target):
+    from . import REGISTRY
+
+    return REGISTRY.original(target)
+
+
+EXCLUSIVE_FLAGS = ("--fp16", "--bf16")
+
+
+def _parse_args_and_arch(parser, input_args=None, *args, **kwargs):
+    argv = sys.argv[1:] if input_args is None else list(input_args)
+    if all(flag in argv for flag in EXCLUSIVE_FLAGS):
+        parser.error(f"{EXCLUSIVE} (fairseq_fp16)")
+    return _original(PARSE)(parser, input_args, *args, **kwargs)
+
+
+PATCHES = [
+    Patch(PARSE, group="repair", replacement=_parse_args_and_arch,
+          why="fairseq turns --bf16 into --tpu before it sees --fp16, and then complains about "
+              "--tpu; --fp16 --bf16 is refused by argparse naming both flags"),
+]

@@ -1,0 +1,126 @@
+"""Patches of ``fairseq.trainer.Trainer``: the plugin's optimizer, bf16 off TPUs, and the
+overflow handler off CUDA."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from itertools import chain
+
+from fairseq.logging import metrics
+from fairseq.optim import lr_scheduler
+
+from ..core.master_weights import tag_param_names
+from ..optim.mixed_precision import MixedPrecisionFairseqOptimizer
+from ..precision import Precision
+from .registry import Patch
+
+logger = logging.getLogger(__name__)
+
+INIT = "fairseq.trainer:Trainer.__init__"
+BUILD_OPTIMIZER = "fairseq.trainer:Trainer._build_optimizer"
+TRAIN_STEP = "fairseq.trainer:Trainer.train_step"
+STATE_DICT = "fairseq.trainer:Trainer.state_dict"
+
+
+def _original(target):
+    from . import REGISTRY
+
+    return REGISTRY.original(target)
+
+
+def _tpu_requested() -> bool:
+    return any(a == "--tpu" for a in sys.argv[1:])
+
+
+def _init(self, cfg, task, model, criterion, quantizer=None):
+    common = getattr(cfg, "common", None)
+    if common is not None and common.bf16 and common.tpu and not _tpu_requested():
+        logger.info("fairseq_fp16: --bf16 on %s, not on TPU (pass --tpu for XLA)",
+                    "CPU" if common.cpu else "the default device")
+        common.tpu = False
+    _original(INIT)(self, cfg, task, model, criterion, quantizer)
+
+
+def plugin_optimizer_applies(cfg) -> bool:
+    """Whether the plugin's optimizer wrapper covers this set-up (else fairseq's own is built)."""
+    dt = cfg.distributed_training
+    return not (
+        dt.ddp_backend == "fully_sharded"
+        or cfg.common.memory_efficient_fp16
+        or cfg.common.memory_efficient_bf16
+        or cfg.common.amp
+        or cfg.optimization.use_bmuf
+        or dt.zero_sharding != "none"
+    )
+
+
+def _build_optimizer(self):
+    if not plugin_optimizer_applies(self.cfg):
+        logger.info("fairseq_fp16: this set-up uses fairseq's own optimizer wrapper")
+        return _original(BUILD_OPTIMIZER)(self)
+    named = [
+        (n, p)
+        for n, p in chain(self.model.named_parameters(), self.criterion.named_parameters())
+        if p.requires_grad
+    ]
+    tag_param_names(named)
+    self._optimizer = MixedPrecisionFairseqOptimizer(
+        self.cfg, [p for _, p in named], Precision.from_cfg(self.cfg)
+    )
+    self._optimizer.watch_forward(self._model)
+    self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler, self.optimizer)
+    self._lr_scheduler.step_update(0)
+
+
+def _train_step(self, samples, raise_oom=False):
+    try:
+        return _original(TRAIN_STEP)(self, samples, raise_oom)
+    except Exception as e:
+        opt = self._optimizer
+        stop = getattr(opt, "stop_error", None)
+        if stop is not None:
+            if e is not stop:  # fairseq's NanDetector re-run of the batch failed
+                logger.warning("fairseq's NanDetector re-run failed (%s: %s); the reason the "
+                               "run stopped is:", type(e).__name__, e)
+            raise stop from None
+        if not isinstance(e, (AssertionError, RuntimeError)):
+            raise
+        if self.cuda or not getattr(opt, "overflow_pending", False):
+            raise
+    # fairseq's OverflowError handler failed at torch.tensor(0.0).cuda();
+    # finish it as it would have on a GPU.
+    with metrics.aggregate("train"):
+        self.zero_grad()
+        if self.cfg.common.fp16:
+            metrics.log_scalar(
+                "loss_scale", self.optimizer.scaler.loss_scale, priority=700, round=4, weight=0
+            )
+        metrics.log_stop_time("train_wall")
+    return None
+
+
+PATCHES = [
+    Patch(INIT, group="repair", replacement=_init,
+          expects=["self.tpu = cfg.common.tpu", "self._model = self._model.half()"],
+          why="fairseq's option parsing turns --bf16 into --tpu, sending the run down the XLA "
+              "path; the implied --tpu is cleared unless --tpu was on the command line"),
+    Patch(BUILD_OPTIMIZER, group="precision", replacement=_build_optimizer,
+          expects=["optim.FP16Optimizer.build_optimizer(self.cfg, params)",
+                   "self._lr_scheduler = lr_scheduler.build_lr_scheduler(",
+                   "self._lr_scheduler.step_update(0)"],
+          why="builds the plugin's MixedPrecisionFairseqOptimizer (fp32 masters, loss scaler, "
+              "fused step; a pass-through in fp32) instead of FP16Optimizer, which fails off "
+              "CUDA; set-ups it does not cover (FSDP, --memory-efficient-fp16/bf16, --amp, "
+              "BMUF, ZeRO) keep fairseq's"),
+    Patch(TRAIN_STEP, group="repair", replacement=_train_step,
+          expects=["except OverflowError as e:", "grad_norm = torch.tensor(0.0).cuda()",
+                   'metrics.log_stop_time("train_wall")', "self.optimizer.scaler.loss_scale"],
+          why="fairseq's overflow handler ends with torch.tensor(0.0).cuda(), which fails off "
+              "CUDA: the rest of the handler is done here; and when the optimizer stops the "
+              "run, fairseq's NanDetector re-run (broken with torch 2.x on dict outputs) is "
+              "replaced by the optimizer's own error"),
+    Patch(STATE_DICT, group="precision", expects=['"optimizer_name": self.optimizer.__class__.__name__'],
+          why="checkpoints record the optimizer's class name; the wrapper keeps one class for "
+              "every precision so that runs resume across precisions"),
+]
