@@ -371,28 +371,17 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
         "Decode them again alike: `scripts/compare.py ... --keep-existing --redecode`.")
 
 
+#: the demo's flags (scripts/demo.py's defaults, or --average-last 0: the last checkpoint, as the
+#: AMX and AVX2 runs were scored) and the longer recipe's (examples/translation/README.md)
+DEMO, DEMO_LAST = dict(updates=1600, dropout=0.0, average_last=2), dict(updates=1600, dropout=0.0)
+LONG = dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")
+
+
 @pytest.mark.parametrize("results, flags", [
-    ("debian-ende", dict(updates=2000, dropout=0.0, beam=1, schedule="inverse-sqrt")),
-    ("debian-ende-avx2", dict(updates=2000, dropout=0.0, beam=1, schedule="inverse-sqrt")),
-    ("debian-ende-avx2/fused-loss", dict(updates=2000, dropout=0.0, beam=1, schedule="inverse-sqrt")),
-    ("debian-ende-avx2/lr-floor", dict(updates=1600, dropout=0.0, beam=1)),
-    ("debian-ende-avx2/lr-floor-beam4", dict(updates=1600, dropout=0.0)),  # make demo's flags
-    ("debian-ende-amx", dict(updates=1600, dropout=0.0)),  # make demo's flags
-    ("debian-ende-avx512", dict(updates=1600, dropout=0.0)),  # make demo's flags until 2026-12-03
-    ("debian-ende-avx512/fresh-clone", dict(updates=1600, dropout=0.0)),  # make demo's flags until 2026-12-03
-    ("debian-ende-avx512/averaged", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
-    ("debian-ende-avx512/averaged/seeds5-6", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
-    ("debian-ende-avx512/averaged/seeds7-8", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
-    ("debian-ende-avx512/averaged/seeds9-10", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
-    ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
-    ("debian-ende-long/current-code", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
-                                           schedule="inverse-sqrt")),
-    ("debian-ende-long/current-code/seed2", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
-                                                 schedule="inverse-sqrt")),
-    ("debian-ende-long/current-code/seed3", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
-                                                 schedule="inverse-sqrt")),
-    ("debian-ende-long/averaged", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
-                                       schedule="inverse-sqrt", average_last=4)),
+    ("demo/avx512-epyc/seeds1-4", DEMO), ("demo/avx512-epyc/seeds5-6", DEMO),
+    ("demo/avx512-epyc/seeds7-8", DEMO), ("demo/avx512-epyc/seeds9-10", DEMO),
+    ("demo/amx-xeon/seeds1-4", DEMO_LAST), ("demo/avx2-epyc/seeds1-4", DEMO_LAST),
+    ("long/avx512-epyc/seed1", LONG), ("long/avx512-epyc/seed2", LONG), ("long/avx512-epyc/seed3", LONG),
 ])
 def test_demo_flags_are_those_of_the_committed_reports(results, flags):
     # make demo (and the longer recipe's documented demo.py flags) reproduce the committed runs'
