@@ -183,7 +183,7 @@ def headline_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                              f"{verdict(eq)}, {eq['n']} seeds" if eq else "-"])
         else:  # a GPU benchmark
             ms, mem = d["words_per_s"], d["peak_mb"]
-            for mode in ("tf32", "fp16", "bf16", "fp16-stock"):
+            for mode in ("tf32", "fp16", "bf16"):
                 if mode in ms:
                     rows.append([f"{machine_of(path)} (GPU)", mode, ratio(ms[mode] / ms["fp32"]),
                                  ratio(mem[mode] / mem["fp32"]), "not measured"])
