@@ -20,6 +20,13 @@ def test_every_doc_table_matches_its_data():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_every_registered_table_is_in_a_doc_and_renders():
+    text = "\n".join(p.read_text() for p in render_docs.docs(ROOT))
+    for name in TABLES:
+        assert f"<!-- table: {name} -->" in text, f"table '{name}' is registered but in no doc"
+        assert render_docs.render_table(name, ROOT, TABLES).count("\n|") >= 2  # header, rule, rows
+
+
 def _repo(tmp_path, doc_text, *sources):
     """A repository root with one doc and copies of the committed ``sources``."""
     for src in sources:
