@@ -372,7 +372,7 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
 
 
 #: the demo's flags (scripts/demo.py's defaults, or --average-last 0: the last checkpoint, as the
-#: AMX and AVX2 runs were scored) and the longer recipe's (examples/translation/README.md)
+#: AMX and AVX2 runs were scored) and the longer recipe's (its scripts/demo.py command)
 DEMO, DEMO_LAST = dict(updates=1600, dropout=0.0, average_last=2), dict(updates=1600, dropout=0.0)
 LONG = dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")
 
