@@ -371,28 +371,17 @@ def test_report_names_each_runs_decoding_flags_when_they_differ():
         "Decode them again alike: `scripts/compare.py ... --keep-existing --redecode`.")
 
 
+#: the demo's flags (scripts/demo.py's defaults, or --average-last 0: the last checkpoint, as the
+#: AMX and AVX2 runs were scored) and the longer recipe's (its scripts/demo.py command)
+DEMO, DEMO_LAST = dict(updates=1600, dropout=0.0, average_last=2), dict(updates=1600, dropout=0.0)
+LONG = dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")
+
+
 @pytest.mark.parametrize("results, flags", [
-    ("debian-ende", dict(updates=2000, dropout=0.0, beam=1, schedule="inverse-sqrt")),
-    ("debian-ende-avx2", dict(updates=2000, dropout=0.0, beam=1, schedule="inverse-sqrt")),
-    ("debian-ende-avx2/fused-loss", dict(updates=2000, dropout=0.0, beam=1, schedule="inverse-sqrt")),
-    ("debian-ende-avx2/lr-floor", dict(updates=1600, dropout=0.0, beam=1)),
-    ("debian-ende-avx2/lr-floor-beam4", dict(updates=1600, dropout=0.0)),  # make demo's flags
-    ("debian-ende-amx", dict(updates=1600, dropout=0.0)),  # make demo's flags
-    ("debian-ende-avx512", dict(updates=1600, dropout=0.0)),  # make demo's flags until 2026-12-03
-    ("debian-ende-avx512/fresh-clone", dict(updates=1600, dropout=0.0)),  # make demo's flags until 2026-12-03
-    ("debian-ende-avx512/averaged", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
-    ("debian-ende-avx512/averaged/seeds5-6", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
-    ("debian-ende-avx512/averaged/seeds7-8", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
-    ("debian-ende-avx512/averaged/seeds9-10", dict(updates=1600, dropout=0.0, average_last=2)),  # make demo's flags
-    ("debian-ende-long", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0, schedule="inverse-sqrt")),
-    ("debian-ende-long/current-code", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
-                                           schedule="inverse-sqrt")),
-    ("debian-ende-long/current-code/seed2", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
-                                                 schedule="inverse-sqrt")),
-    ("debian-ende-long/current-code/seed3", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
-                                                 schedule="inverse-sqrt")),
-    ("debian-ende-long/averaged", dict(updates=12000, dropout=0.2, beam=4, lenpen=2.0,
-                                       schedule="inverse-sqrt", average_last=4)),
+    ("demo/avx512-epyc/seeds1-4", DEMO), ("demo/avx512-epyc/seeds5-6", DEMO),
+    ("demo/avx512-epyc/seeds7-8", DEMO), ("demo/avx512-epyc/seeds9-10", DEMO),
+    ("demo/amx-xeon/seeds1-4", DEMO_LAST), ("demo/avx2-epyc/seeds1-4", DEMO_LAST),
+    ("long/avx512-epyc/seed1", LONG), ("long/avx512-epyc/seed2", LONG), ("long/avx512-epyc/seed3", LONG),
 ])
 def test_demo_flags_are_those_of_the_committed_reports(results, flags):
     # make demo (and the longer recipe's documented demo.py flags) reproduce the committed runs'
@@ -453,23 +442,6 @@ def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
     assert by_precision(tmp_path, [runs[0], runs[1], runs[4]], 200) is None  # one seed each: no table
 
 
-@pytest.mark.parametrize("results", ["debian-ende", "debian-ende-avx2", "debian-ende-long", "debian-ende-amx",
-                                     "debian-ende-avx512", "debian-ende-avx512/averaged",
-                                     "debian-ende-long/averaged"])
-def test_recipe_readme_quotes_the_committed_reports_bleu(results):
-    # examples/translation/README.md's tables are copied from the committed reports: every run's
-    # BLEU and p there must be the one in its summary.json (a rerun replaces both together), and
-    # so must its last checkpoint's when the run was scored by an average.
-    readme = (ROOT / "examples" / "translation" / "README.md").read_text()
-    summary = json.loads((ROOT / "examples" / "translation" / "results" / results / "summary.json").read_text())
-    for mode, run in summary["runs"].items():
-        for bleu, p in ((run["bleu"], run["p_vs_fp32"]), (run.get("last_bleu"), run.get("last_p_vs_fp32"))):
-            if bleu is None:
-                continue
-            row = f"| {bleu:.2f} | " + ("-" if p is None else f"{p:.3f}") + " |"
-            assert row in readme.replace("**", ""), (results, mode, row)
-
-
 def test_decode_precision_decodes_each_run_in_the_other_precisions(compared, tmp_path):
     src, _ = compared
     out = tmp_path / "cmp"
@@ -502,26 +474,6 @@ def test_decode_precision_decodes_each_run_in_the_other_precisions(compared, tmp
     assert "| fp16 | fp16 | " in proc.stdout and "fp32 decode, fp32 masters: " in proc.stdout
     proc = subprocess.run(cmd[:3] + ["--modes", "fp16,bf16"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--modes: bf16 not among the runs of" in proc.stderr
-
-
-def test_long_recipe_current_code_readme_quotes_its_report_and_decodes():
-    # results/debian-ende-long/README.md's current-code tables are copied from the committed
-    # summary.json and decode_precision.json: each run's BLEU, d BLEU and p, and each other decode.
-    folder = ROOT / "examples" / "translation" / "results" / "debian-ende-long"
-    readme = (folder / "README.md").read_text().replace("**", "")
-    summary = json.loads((folder / "current-code" / "summary.json").read_text())["runs"]
-    base = summary["fp32"]["bleu"]
-    for mode, run in summary.items():
-        d = "-" if mode == "fp32" else f"{run['bleu'] - base:+.2f}"
-        p = "-" if run["p_vs_fp32"] is None else f"{run['p_vs_fp32']:.3f}"
-        assert f"| {run['bleu']:.2f} | {d} | {p} |" in readme, (mode, run)
-    decodes = json.loads((folder / "current-code" / "decode_precision.json").read_text())["runs"]
-    assert list(decodes) == ["fp32", "bf16", "fp16"]
-    for mode, e in decodes.items():
-        head = f"| {mode} | {e['as_trained']['bleu']:.2f} |"
-        row = next(line for line in readme.splitlines() if line.startswith(head))
-        for d in e["decodes"]:
-            assert f"{d['bleu']:.2f} (" in row, (mode, d, row)
 
 
 def test_average_last_scores_the_averaged_checkpoint_beside_the_last(compared, toy_data, tmp_path):
