@@ -6,8 +6,7 @@ caches: oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and
 ideep's (``LRU_CACHE_CAPACITY``), 1,024 entries each by default. fp32 products
 go to BLAS and do not use these caches. Translation batches come in hundreds of shapes
 (tokens per batch vary), each cached kernel holds memory of its own, and a bf16
-run's resident memory grows with every new shape until both caches are full:
-on this project's demo, 3.6x the fp32 run's peak.
+run's resident memory grows with every new shape until both caches are full.
 
 Both capacities are read from the environment when the first such product
 runs, so :func:`cap_cpu_kernel_caches` sets them when the task is built, before
@@ -15,17 +14,15 @@ the model computes anything. A variable the user has set is left alone.
 
 On a CPU with AMX tiles, a cache miss costs more than memory: oneDNN compiles
 (JITs) an AMX kernel for each new shape, and with few entries kept a run compiles
-the same kernels again and again (a fifth of a bf16 update on the demo's model,
-BENCHMARKS.md). Fewer shapes cure both: with each batch's source and target
+the same kernels again and again. Fewer shapes cure both: with each batch's source and target
 lengths padded to a multiple of 8 (fairseq's ``--required-seq-len-multiple``;
 padded positions are masked, the sentences of each batch are unchanged) the
 batches come in far fewer shapes, each kernel is compiled once, and 1,024-entry
-caches hold them all in a fraction of the memory they take without padding
-(BENCHMARKS.md). :func:`resolve_length_multiple` and
-:func:`resolve_kernel_cache` make that the default (``auto``) where the half
-products run on AMX tiles, and keep lengths as they are and 64 entries elsewhere
-(on a CPU with AVX512-BF16 but no AMX the cap cost bf16 2%, and padding costs
-every run the padded positions' work).
+caches hold them all in a fraction of the memory they take without padding.
+:func:`resolve_length_multiple` and :func:`resolve_kernel_cache` make that the
+default (``auto``) where the half products run on AMX tiles, and keep lengths
+as they are and 64 entries elsewhere, where padding costs every run the padded
+positions' work (docs/cpu-half-precision.md has the measurements).
 """
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ elementwise) run in their own precision, as they would on the GPU.
   CPUs).
 * :class:`NativeHalfProducts` finds those: entered around a step run under the
   modes, it counts the half products that reached a native kernel and where
-  they were issued (``translation_fp16`` checks its first training and
+  they were issued (the plugin checks every task's first training and
   generation steps).
 
-On a CPU without fp16 arithmetic, native fp16 matrix products are 26-41x slower
-than fp32 (BENCHMARKS.md); with fp32 accumulation a half-precision step runs
-at 1.0-1.3x the fp32 time.
+On a CPU without fp16 arithmetic, native fp16 matrix products are many times
+slower than fp32; with fp32 accumulation a half-precision step costs about what
+an fp32 one does (docs/cpu-half-precision.md has the measurements).
 
 :func:`resolve_half_matmul` turns ``--half-matmul {auto,native,fp32-accumulate}``
 into a decision; ``auto`` uses fp32 accumulation for a half dtype the CPU has no

@@ -39,6 +39,7 @@ from ..core.fp32_islands import apply_fp32_islands
 from ..core.half_matmul import NativeHalfProducts, half_matmul_context, resolve_half_matmul
 from ..core.master_weights import tag_param_names
 from ..core.ngram_block import NGramBlock
+from .. import run_info
 from ..precision import Precision, current
 from .registry import Patch
 
@@ -120,11 +121,14 @@ class _TaskState:
             and resolve_half_matmul(str(_flag(task, "half_matmul", "auto")), precision.dtype))
         self.checked_steps = set()  # steps whose native half products were counted
         self.divergence_done = None  # the update whose forward divergence was measured
+        half_matmul = None
         if precision.is_half and precision.on_cpu:
-            logger.info(
-                "CPU %s matrix products: %s (--half-matmul %s)", precision.name,
+            half_matmul = "{} (--half-matmul {})".format(
                 "fp32 accumulation, rounded to half" if self.fp32_accumulate else "native kernels",
                 _flag(task, "half_matmul", "auto"))
+            logger.info("CPU %s matrix products: %s", precision.name, half_matmul)
+        run_info.record(precision=precision.name, device="cpu" if precision.on_cpu else "cuda",
+                        half_matmul=half_matmul, native_half_products=None)
 
 
 def _state(task) -> _TaskState:
@@ -159,6 +163,8 @@ def prepare_model(task, model):
     if attentions:
         logger.info("attention: %s (--attention-path %s)", "fairseq's own, softmax in fp32"
                     if path == "fairseq" else "torch's fused multi_head_attention_forward", choice)
+    run_info.record(attention=path if attentions else None,
+                    compile_layers=bool(_flag(task, "compile_layers", False)))
     if _flag(task, "compile_layers", False):
         layers = [m for m in model.modules()
                   if isinstance(m, (TransformerEncoderLayerBase, TransformerDecoderLayerBase))]
@@ -185,6 +191,7 @@ def _build_criterion_of(target):
 
         criterion = _original(target)(self, cfg, *args, **kwargs)
         mode = str(_flag(self, "fused_loss", "auto"))
+        run_info.record(fused_loss=False)
         if mode == "off" or (mode == "auto" and not _state(self).precision.is_half):
             return criterion
         fused = fused_criterion_class(criterion)
@@ -193,6 +200,7 @@ def _build_criterion_of(target):
                 "--fused-loss %s: the criterion %s has no fused loss (only cross_entropy and "
                 "label_smoothed_cross_entropy); its own is used", mode, type(criterion).__name__)
             return criterion
+        run_info.record(fused_loss=True)
         logger.info("--fused-loss %s: %s computes its loss from the logits in fp32 chunks, "
                     "keeping no fp32 log-probabilities", mode,
                     getattr(cfg, "_name", None) or type(criterion).__name__)
@@ -212,6 +220,8 @@ def _native_products_check(state: _TaskState, step: str):
     state.checked_steps.add(step)
     with NativeHalfProducts() as check:
         yield
+    if step == "training step":
+        run_info.record(native_half_products=sum(check.counts.values()))
     if check.counts:
         logger.warning(
             "--half-matmul: %d half-precision matrix products of the first %s ran on torch's "

@@ -4,12 +4,14 @@ overflow handler off CUDA."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from itertools import chain
 
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 
+from .. import run_info
 from ..core.master_weights import tag_param_names
 from ..optim.mixed_precision import MixedPrecisionFairseqOptimizer
 from ..precision import Precision
@@ -39,6 +41,9 @@ def _init(self, cfg, task, model, criterion, quantizer=None):
         logger.info("fairseq_fp16: --bf16 on %s, not on TPU (pass --tpu for XLA)",
                     "CPU" if common.cpu else "the default device")
         common.tpu = False
+    checkpoint, dt = getattr(cfg, "checkpoint", None), getattr(cfg, "distributed_training", None)
+    if checkpoint is not None and not checkpoint.no_save and not getattr(dt, "distributed_rank", 0):
+        run_info.set_path(os.path.join(checkpoint.save_dir, run_info.FILENAME))
     _original(INIT)(self, cfg, task, model, criterion, quantizer)
 
 
@@ -104,7 +109,8 @@ PATCHES = [
     Patch(INIT, group="repair", replacement=_init,
           expects=["self.tpu = cfg.common.tpu", "self._model = self._model.half()"],
           why="fairseq's option parsing turns --bf16 into --tpu, sending the run down the XLA "
-              "path; the implied --tpu is cleared unless --tpu was on the command line"),
+              "path; the implied --tpu is cleared unless --tpu was on the command line (and "
+              "SAVE_DIR/run_info.json, what the run used, gets its path)"),
     Patch(BUILD_OPTIMIZER, group="precision", replacement=_build_optimizer,
           expects=["optim.FP16Optimizer.build_optimizer(self.cfg, params)",
                    "self._lr_scheduler = lr_scheduler.build_lr_scheduler(",

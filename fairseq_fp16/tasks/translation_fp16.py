@@ -45,6 +45,7 @@ from ..core.loss_scaler import parse_loss_scale
 from ..fused_criterion import FUSED_LOSS_CHOICES
 from ..patches.tasks import ATTENTION_PATHS, SEED_POSITION, resolve_attention_path, task_precision
 from ..precision import EXCLUSIVE
+from .. import run_info
 
 logger = logging.getLogger(__name__)
 
@@ -246,15 +247,19 @@ class TranslationFP16Task(TranslationTask):
         cfg = self.cfg
         multiple = resolve_length_multiple(cfg.cpu_length_multiple, dtype, native=True)
         given = int(getattr(cfg, "required_seq_len_multiple", 1) or 1)
+        lengths = None
         if given > 1:
+            lengths = f"padded to a multiple of {given} (--required-seq-len-multiple)"
             logger.info("CPU batch lengths: padded to a multiple of %d (--required-seq-len-multiple; "
                         "--cpu-length-multiple %s not applied)", given, cfg.cpu_length_multiple)
         elif multiple > 1:  # set on each dataset (load_dataset), not in the cfg checkpoints save
             self._length_multiple = multiple
+            lengths = f"padded to a multiple of {multiple} (--cpu-length-multiple {cfg.cpu_length_multiple})"
             logger.info("CPU batch lengths: padded to a multiple of %d (--cpu-length-multiple %s; "
                         "the padding is masked)", multiple, cfg.cpu_length_multiple)
         capacity = resolve_kernel_cache(cfg.cpu_kernel_cache, max(given, multiple))
         caps = cap_cpu_kernel_caches(capacity)
+        run_info.record(batch_lengths=lengths, kernel_caches=caps)
         logger.info(
             "CPU kernel caches: %s (--cpu-kernel-cache %s; a variable set in the "
             "environment wins)", ", ".join(f"{k}={v}" for k, v in caps.items()),
