@@ -59,17 +59,23 @@ def parse_loss_scale(value: Any, flag: str = "--loss-scale") -> Optional[float]:
 class LossScaler:
     """Static or dynamic loss scaler with device-resident state.
 
-    Dynamic scaling follows fairseq's ``DynamicLossScaler`` and adds hysteresis
-    (as in DeepSpeed and Megatron):
+    Dynamic scaling is fairseq's ``DynamicLossScaler``, update for update, with
+    hysteresis added as DeepSpeed and Megatron define it:
 
     * after ``scale_window`` consecutive clean updates the scale is multiplied
-      by ``scale_factor``;
+      by ``scale_factor`` (never above ``max_scale``, when set);
     * an overflow skips the update; the scale is divided by ``scale_factor``
-      once ``hysteresis`` overflows have happened since the last rescale and
-      the fraction of overflowing updates since then is at least ``tolerance``;
-      ``threshold`` (when set) is a floor for that back-off;
+      when the overflows since the last back-off, over the updates since the
+      last rescale (growth or back-off), are at least ``tolerance`` (fairseq's
+      ``--fp16-scale-tolerance``); ``threshold`` (when set) is a floor for that
+      back-off;
+    * hysteresis: each overflow uses up one of ``hysteresis`` allowances and the
+      scale backs off only once none is left; they are replenished when the
+      scale grows, not after a back-off, so after ``hysteresis - 1`` absorbed
+      overflows every further one backs off until the scale has grown again;
     * :meth:`check_min_scale` raises ``FloatingPointError`` when the scale has
-      fallen to ``min_scale`` or below.
+      fallen to ``min_scale`` or below, putting back the scale it had before
+      that back-off (as fairseq does).
 
     Args:
         init_scale: initial (dynamic) or fixed (static) scale.
@@ -80,6 +86,8 @@ class LossScaler:
         hysteresis: overflows tolerated before backing off (1 = every one).
         min_scale: the scale at or below which training stops.
         threshold: floor for the dynamic back-off (``--threshold-loss-scale``).
+        max_scale: ceiling for growth (None: none, as fairseq's fp16 scaler; a
+            bf16 run, whose gradients never overflow at these scales, needs one).
         device: device of the state tensors (that of the loss).
     """
 
@@ -94,6 +102,7 @@ class LossScaler:
         hysteresis: int = 1,
         min_scale: float = 1e-4,
         threshold: Optional[float] = None,
+        max_scale: Optional[float] = None,
         device: torch.device | str = "cpu",
     ) -> None:
         if init_scale <= 0 or not math.isfinite(init_scale):
@@ -115,11 +124,14 @@ class LossScaler:
         self.hysteresis = int(hysteresis)
         self.min_scale = float(min_scale)
         self.threshold = None if threshold is None else float(threshold)
+        # the largest power of two below fp32's maximum: growth never makes the scale inf
+        self.max_scale = min(float(max_scale), 2.0**127) if max_scale is not None else 2.0**127
         dev = torch.device(device)
         f32 = dict(dtype=torch.float32, device=dev)
         i64 = dict(dtype=torch.int64, device=dev)
         # Device state: every field of state_dict() below.
         self._scale = torch.full((), self.init_scale, **f32)
+        self._prev_scale = torch.full((), self.init_scale, **f32)  # before the last update
         self._clean_steps = torch.zeros((), **i64)  # since last overflow or growth
         self._hysteresis_left = torch.full((), self.hysteresis, **i64)
         self._overflows_since_rescale = torch.zeros((), **i64)
@@ -148,9 +160,10 @@ class LossScaler:
         self._num_overflows.add_(ov)
         if not self.dynamic:
             return
+        self._prev_scale.copy_(self._scale)
         self._steps_since_rescale.add_(1)
         self._overflows_since_rescale.add_(ov)
-        self._hysteresis_left.sub_(ov)
+        self._hysteresis_left.sub_(ov).clamp_(min=0)
         pct = self._overflows_since_rescale.double() / self._steps_since_rescale.double()
         back_off = overflow & (self._hysteresis_left <= 0) & (pct >= self.tolerance)
         lowered = self._scale / self.scale_factor
@@ -160,17 +173,16 @@ class LossScaler:
 
         clean = torch.where(overflow, torch.zeros_like(self._clean_steps), self._clean_steps + 1)
         grow = clean >= self.scale_window
-        new_scale = torch.where(grow, new_scale * self.scale_factor, new_scale)
-        rescaled = back_off | grow
+        grown = (new_scale * self.scale_factor).clamp(max=self.max_scale)
+        new_scale = torch.where(grow, torch.maximum(grown, new_scale), new_scale)
 
         self._scale.copy_(new_scale)
         self._clean_steps.copy_(torch.where(grow, torch.zeros_like(clean), clean))
-        self._hysteresis_left.copy_(
-            torch.where(rescaled, torch.full_like(self._hysteresis_left, self.hysteresis),
-                        self._hysteresis_left.clamp(min=0))
-        )
-        self._overflows_since_rescale.masked_fill_(rescaled, 0)
-        self._steps_since_rescale.masked_fill_(rescaled, 0)
+        # fairseq: growth and back-off restart the updates counted for the tolerance; only a
+        # back-off restarts the overflows. DeepSpeed/Megatron: growth replenishes hysteresis.
+        self._steps_since_rescale.masked_fill_(back_off | grow, 0)
+        self._overflows_since_rescale.masked_fill_(back_off, 0)
+        self._hysteresis_left.masked_fill_(grow, self.hysteresis)
 
     # ------------------------------------------------------ reads (host syncs)
     @property
@@ -190,6 +202,7 @@ class LossScaler:
         """
         scale = self.loss_scale
         if self.dynamic and scale <= self.min_scale:
+            self._scale.copy_(self._prev_scale)  # as fairseq: the scale before this back-off
             raise FloatingPointError(
                 f"Minimum loss scale reached ({self.min_scale}): the gradients "
                 f"overflowed at every scale down to {scale}. The loss is probably "
@@ -201,6 +214,7 @@ class LossScaler:
         """Scale, counters and settings as plain Python scalars."""
         return {
             "scale": float(self._scale),
+            "prev_scale": float(self._prev_scale),
             "dynamic": self.dynamic,
             "clean_steps": int(self._clean_steps),
             "hysteresis_left": int(self._hysteresis_left),
@@ -218,6 +232,7 @@ class LossScaler:
         """
         if self.dynamic and state.get("dynamic", True):
             self._scale.fill_(float(state["scale"]))
+            self._prev_scale.fill_(float(state.get("prev_scale", state["scale"])))
             self._clean_steps.fill_(int(state["clean_steps"]))
             self._hysteresis_left.fill_(
                 min(int(state["hysteresis_left"]), self.hysteresis)

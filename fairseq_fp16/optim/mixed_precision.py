@@ -43,7 +43,9 @@ from ..precision import NAMES, Precision
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MixedPrecisionFairseqOptimizer", "build_loss_scaler"]
+__all__ = ["BF16_MAX_SCALE", "MixedPrecisionFairseqOptimizer", "build_loss_scaler"]
+
+BF16_MAX_SCALE = 2.0**24
 
 
 def build_loss_scaler(cfg, precision: Precision, device: torch.device) -> LossScaler:
@@ -70,6 +72,9 @@ def build_loss_scaler(cfg, precision: Precision, device: torch.device) -> LossSc
         hysteresis=hysteresis,
         min_scale=float(cfg.common.min_loss_scale),
         threshold=cfg.common.threshold_loss_scale,
+        # bf16 gradients do not overflow at any usual scale: without a ceiling its dynamic
+        # scale would double every window up to inf (apex's scaler stops at 2**24 too)
+        max_scale=BF16_MAX_SCALE if precision.name == "bf16" else None,
         device=device,
     )
 
