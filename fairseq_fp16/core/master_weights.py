@@ -34,6 +34,10 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 #: Attribute carrying a parameter's qualified name (set by :func:`tag_param_names`).
 NAME_ATTR = "_fairseq_fp16_name"
+#: Attributes fairseq reads on parameters, carried over to their fp32 masters: the optimizer
+#: group (``--optimizer composite``), per-parameter optimizer settings, and the mixture-of-experts
+#: marks (expert gradients stay out of the global norm, as in fairseq's clip_grad_norm_).
+CARRIED_ATTRS = (NAME_ATTR, "param_group", "optim_overrides", "expert", "base_expert")
 
 
 def tag_param_names(named_params: Iterable[tuple]) -> None:
@@ -77,8 +81,9 @@ class MixedPrecisionOptimizer:
         for i, p in enumerate(self.model_params):
             if p.dtype in HALF_DTYPES:
                 master = torch.nn.Parameter(p.detach().float(), requires_grad=True)
-                if hasattr(p, NAME_ATTR):
-                    setattr(master, NAME_ATTR, getattr(p, NAME_ATTR))
+                for attr in CARRIED_ATTRS:
+                    if hasattr(p, attr):
+                        setattr(master, attr, getattr(p, attr))
                 self._half_pairs.append((p, master))
                 self._half_index.append(i)
                 self.master_params.append(master)
@@ -93,6 +98,7 @@ class MixedPrecisionOptimizer:
         self._multiplier: float | torch.Tensor = 1.0
         self._inv_scale: Optional[torch.Tensor] = None  # unscale * clip factor
         self._grads_synced = False  # master grads hold this step's gradients
+        self._known_finite = False  # the caller saw this step's norm finite on the host
 
     def masters_by_param(self) -> Dict[int, torch.Tensor]:
         """``id(model parameter) -> its fp32 master``, for the half parameters."""
@@ -104,9 +110,15 @@ class MixedPrecisionOptimizer:
         self.scaler.scale(loss).backward()
 
     def multiply_grads(self, c: float | torch.Tensor) -> None:
-        """Multiply gradients by ``c`` lazily (folded into the unscale)."""
+        """Multiply gradients by ``c`` lazily (folded into the unscale).
+
+        After :meth:`clip_grad_norm` the factor multiplies the unscale-and-clip factor it
+        computed, so the clip coefficient is kept (fairseq multiplies the clipped gradients).
+        """
         self._multiplier = self._multiplier * c
-        self._inv_scale = None
+        if self._inv_scale is not None:
+            self._inv_scale = self._inv_scale * (c.to(self._inv_scale.device).float()
+                                                 if torch.is_tensor(c) else float(c))
 
     # ------------------------------------------------------------ grad checks
     def clip_grad_norm(self, max_norm: float = 0.0) -> torch.Tensor:
@@ -118,25 +130,32 @@ class MixedPrecisionOptimizer:
         ``max_norm > 0`` the clip coefficient is folded into the factor the
         step applies, not applied to the gradients here.
         """
-        grads = self._sync_master_grads()
+        self._sync_master_grads()
         device = self._found_inf.device
         # 1/scale in fp64: exact for the power-of-two scales, and correctly rounded
         # to fp32 for any other (a --threshold-loss-scale floor, a tolerance).
         inv = (1.0 / self.scaler.scale_tensor.double()).float()
         mult = self._multiplier
         inv = inv * (mult.to(device).float() if torch.is_tensor(mult) else float(mult))
-        if grads:
-            norms = torch._foreach_norm(grads, 2)
+        normed = [m.grad for m in self.master_params if m.grad is not None and not hasattr(m, "expert")]
+        experts = [m.grad for m in self.master_params if m.grad is not None and hasattr(m, "expert")]
+        if normed:
+            norms = torch._foreach_norm(normed, 2)
             total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
         else:
             total = torch.zeros((), device=device)
         total = total * inv
-        self._found_inf.copy_((~torch.isfinite(total)).float())
+        finite = torch.isfinite(total)
+        if experts:  # outside the norm, but an overflow there still skips the update
+            expert_norms = torch.stack([n.to(device) for n in torch._foreach_norm(experts, 2)])
+            finite = finite & torch.isfinite(expert_norms).all()
+        self._found_inf.copy_((~finite).float())
         if max_norm > 0:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
             coef = torch.nan_to_num(coef, nan=1.0, posinf=1.0, neginf=1.0)
             inv = inv * coef
         self._inv_scale = inv
+        self._known_finite = False
         return total
 
     @property
@@ -179,6 +198,12 @@ class MixedPrecisionOptimizer:
             finally:
                 del self.optimizer.grad_scale
                 del self.optimizer.found_inf
+        elif self._known_finite:
+            # the caller read the norm on the host and saw no overflow: unscale and step,
+            # no second sync
+            if master_grads:
+                torch._foreach_mul_(master_grads, self._inv_scale)
+            self.optimizer.step()
         else:
             check = torch.zeros_like(self._found_inf)
             if master_grads:
@@ -192,10 +217,16 @@ class MixedPrecisionOptimizer:
         self.scaler.update(self._found_inf)
         self._reset_step_state()
 
+    def note_finite(self) -> None:
+        """Tell :meth:`step` that the norm of :meth:`clip_grad_norm` was read on the host and
+        is finite (fairseq's trainer reads it anyway), so the unfused path skips its check."""
+        self._known_finite = self._inv_scale is not None
+
     def _reset_step_state(self) -> None:
         self._multiplier = 1.0
         self._inv_scale = None
         self._grads_synced = False
+        self._known_finite = False
 
     def _copy_masters_to_model(self) -> None:
         if self._half_pairs:
@@ -225,13 +256,16 @@ class MixedPrecisionOptimizer:
 
     # -------------------------------------------------------------- state dict
     def state_dict(self) -> Dict[str, object]:
-        """Inner optimizer, scaler and fp32 masters keyed by parameter position."""
+        """Inner optimizer, scaler and fp32 masters keyed by parameter position, with the
+        name each carries (``master_names``). The masters are copied to the CPU (no second
+        copy on the device at save time)."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "master_params": {
-                i: m.detach().clone() for i, (_, m) in zip(self._half_index, self._half_pairs)
+                i: m.detach().to("cpu", copy=True) for i, (_, m) in zip(self._half_index, self._half_pairs)
             },
+            "master_names": {i: param_name(m) for i, (_, m) in zip(self._half_index, self._half_pairs)},
         }
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
@@ -240,19 +274,34 @@ class MixedPrecisionOptimizer:
         Raises:
             ValueError: when saved masters do not fit the model's parameters.
         """
-        masters = state.get("master_params") or {}
-        by_index = dict(zip(self._half_index, self._half_pairs))
-        for i, saved in masters.items():
-            pair = by_index.get(int(i))
-            if pair is None or saved.shape != pair[1].shape:
-                raise ValueError(
-                    "checkpoint's fp32 master weights do not match the model's "
-                    "parameters; was it written by another architecture?"
-                )
+        masters = self._match_masters(state.get("master_params") or {}, state.get("master_names") or {})
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         with torch.no_grad():
-            for i, saved in masters.items():
-                by_index[int(i)][1].copy_(saved)
+            for master, saved in masters:
+                master.copy_(saved)
         self._copy_masters_to_model()
+
+    def _match_masters(self, masters: Dict, names: Dict) -> List[tuple]:
+        """(master, saved tensor) pairs: by the saved name where the checkpoint has names
+        and every model parameter's name is known, else by position.
+
+        Raises:
+            ValueError: when a saved master fits no parameter.
+        """
+        by_index = dict(zip(self._half_index, self._half_pairs))
+        by_name = {param_name(m): m for _, m in self._half_pairs}
+        use_names = bool(names) and "" not in by_name and len(by_name) == len(self._half_pairs)
+        pairs = []
+        for i, saved in masters.items():
+            name = names.get(i, names.get(int(i))) if use_names else None
+            master = by_name.get(name) if name else (by_index.get(int(i)) or (None, None))[1]
+            if master is None or saved.shape != master.shape:
+                what = f"{name!r}" if name else f"at position {i}"
+                raise ValueError(
+                    f"checkpoint's fp32 master weight {what} {tuple(saved.shape)} matches no "
+                    "parameter of the model; was it written by another architecture?"
+                )
+            pairs.append((master, saved))
+        return pairs

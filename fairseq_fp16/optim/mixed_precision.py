@@ -151,6 +151,12 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         return self.inner.optimizer_config
 
     @property
+    def fp32_params(self):
+        """The fp32 master weights (half runs; None in fp32), as fairseq's FP16Optimizer
+        exposes its own for wrappers that average them (SlowMo)."""
+        return None if self.core is None else self.core.master_params
+
+    @property
     def supports_flat_params(self):
         return False
 
@@ -301,6 +307,7 @@ class _MasterWeights:
                 owner.stop_error = e  # the trainer patch re-raises it if fairseq's re-run fails
                 raise
             raise OverflowError(f"setting loss scale to: {self.loss_scaler.loss_scale:.12g}")
+        self.core.note_finite()  # the unfused step need not check again
         owner.consecutive_overflows = 0
         if self.watch is not None:
             self.watch.disarm()

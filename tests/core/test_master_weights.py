@@ -179,6 +179,14 @@ def test_fused_step_costs_no_host_sync_and_unfused_one():
     # our skip decision; torch's foreach AdamW also .item()s its step counters,
     # which live on the CPU (no device sync on a GPU).
     assert c.calls["__bool__"] == 1 and set(c.calls) <= {"__bool__", "item"}, c.calls
+    # the caller read the norm on the host (fairseq's trainer does): no second sync
+    random_grads(half, 1, dtype=torch.float16)
+    norm = opt.clip_grad_norm(1.0)
+    assert bool(torch.isfinite(norm))
+    opt.note_finite()
+    with HostSyncCounter() as c:
+        opt.step()
+    assert "__bool__" not in c.calls, c.calls
 
 
 def test_clipping_folded_into_unscale():
@@ -230,5 +238,71 @@ def test_masters_of_another_architecture_refused():
     half, opt = mixed()
     state = opt.state_dict()
     state["master_params"][0] = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match="master weights do not match"):
+    with pytest.raises(ValueError, match=r"fp32 master weight at position 0 \(3, 3\) matches no parameter"):
         mixed()[1].load_state_dict(state)
+
+
+def named_mixed(order=(0, 1, 2)):
+    master_init = make_params()
+    names = ["enc.w", "enc.b", "dec.w"]
+    half = [torch.nn.Parameter(master_init[i].detach().half()) for i in order]
+    for i, p in zip(order, half):
+        p._fairseq_fp16_name = names[i]
+    opt = MixedPrecisionOptimizer(half, lambda ps: build_adam(ps, no_decay_params="", **HP),
+                                  LossScaler(1024.0, scale_window=1000))
+    return half, opt
+
+
+def test_masters_are_matched_by_their_name_and_saved_on_the_cpu():
+    half, opt = named_mixed()
+    random_grads(half, 0, dtype=torch.float16)
+    opt.step()
+    state = opt.state_dict()
+    assert state["master_names"] == {0: "enc.w", 1: "enc.b", 2: "dec.w"}
+    assert all(t.device.type == "cpu" and t.data_ptr() != m.data_ptr()
+               for t, m in zip(state["master_params"].values(), opt.master_params))
+    # a model that lists its parameters in another order gets each master by name
+    half2, opt2 = named_mixed(order=(2, 0, 1))
+    opt2.load_state_dict({**state, "optimizer": opt2.optimizer.state_dict()})
+    by_name = {m._fairseq_fp16_name: m for m in opt.master_params}
+    for m in opt2.master_params:
+        assert torch.equal(m, by_name[m._fairseq_fp16_name])
+    state["master_names"][1] = "enc.bias"
+    with pytest.raises(ValueError, match=r"fp32 master weight 'enc.bias' \(32,\) matches no parameter"):
+        named_mixed()[1].load_state_dict(state)
+
+
+def test_multiply_after_clip_keeps_the_clip_coefficient():
+    results = []
+    for order in ("multiply first", "clip first"):
+        half, opt = mixed()
+        random_grads(half, 0, scale=10.0, dtype=torch.float16)
+        if order == "clip first":
+            opt.clip_grad_norm(1.0)
+            opt.multiply_grads(0.5)
+        else:
+            opt.multiply_grads(0.5)
+            opt.clip_grad_norm(0.5)  # fairseq's order: the norm seen after multiplying
+        opt.step()
+        results.append([m.detach().clone() for m in opt.master_params])
+    # clipping to 1 then halving moves the masters as clipping the halved gradients to 0.5
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_master_weights_carry_the_attributes_fairseq_reads_and_experts_stay_out_of_the_norm():
+    half = [torch.nn.Parameter(p.detach().half()) for p in make_params()]
+    half[0].param_group, half[1].optim_overrides = "encoder", {"lr": 0.1}
+    half[2].expert = True
+    opt = MixedPrecisionOptimizer(half, lambda ps: build_adam(ps, no_decay_params="", **HP),
+                                  LossScaler(1.0, dynamic=False))
+    m = opt.master_params
+    assert m[0].param_group == "encoder" and m[1].optim_overrides == {"lr": 0.1} and m[2].expert
+    random_grads(half, 0, dtype=torch.float16)
+    norm = opt.clip_grad_norm(0.0)
+    expected = torch.linalg.vector_norm(torch.stack([h.grad.float().norm() for h in half[:2]]))
+    torch.testing.assert_close(norm, expected)
+    opt.zero_grad()  # an expert's overflow still skips the update
+    random_grads(half, 1, dtype=torch.float16)
+    half[2].grad[0, 0, 0] = float("inf")
+    assert torch.isfinite(opt.clip_grad_norm(0.0)) and opt.found_inf.item() == 1.0
