@@ -15,11 +15,29 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .master_weights import param_name
+from .param_names import param_name
 
-__all__ = ["ADAM_BACKENDS", "build_adam", "split_no_decay", "AdamWNoBiasCorrection"]
+__all__ = ["ADAM_BACKENDS", "build_adam", "load_state_keeping_backend", "split_no_decay",
+           "AdamWNoBiasCorrection"]
 
 ADAM_BACKENDS = ("auto", "fused", "foreach", "apex")
+#: Param-group entries that say how torch's optimizers compute, not what they optimize.
+BACKEND_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_state_keeping_backend(optimizer: torch.optim.Optimizer, state: Dict) -> None:
+    """``optimizer.load_state_dict(state)``, keeping this run's kernel choice.
+
+    torch's optimizers store ``fused``/``foreach`` in their param groups, and loading a state
+    restores the saved ones: a checkpoint of a ``foreach`` (or no-bias-correction) run resumed
+    with the fused backend would run with flags its optimizer was not built for.
+    """
+    kept = [{k: g[k] for k in BACKEND_KEYS if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, own in zip(optimizer.param_groups, kept):
+        for key in BACKEND_KEYS:
+            group.pop(key, None)
+        group.update(own)
 
 
 def split_no_decay(

@@ -26,34 +26,13 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from .adam import load_state_keeping_backend
 from .loss_scaler import LossScaler
+from .param_names import CARRIED_ATTRS, NAME_ATTR, param_name, tag_param_names
 
 __all__ = ["MixedPrecisionOptimizer", "HALF_DTYPES"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-#: Attribute carrying a parameter's qualified name (set by :func:`tag_param_names`).
-NAME_ATTR = "_fairseq_fp16_name"
-#: Attributes fairseq reads on parameters, carried over to their fp32 masters: the optimizer
-#: group (``--optimizer composite``), per-parameter optimizer settings, and the mixture-of-experts
-#: marks (expert gradients stay out of the global norm, as in fairseq's clip_grad_norm_).
-CARRIED_ATTRS = (NAME_ATTR, "param_group", "optim_overrides", "expert", "base_expert")
-
-
-def tag_param_names(named_params: Iterable[tuple]) -> None:
-    """Record each parameter's qualified name on the parameter itself.
-
-    Optimizers receive bare parameters; the name lets them group by name
-    (``--no-decay-params``) and lets diagnostics name a parameter.
-    """
-    for name, p in named_params:
-        if not hasattr(p, NAME_ATTR):
-            setattr(p, NAME_ATTR, name)
-
-
-def param_name(p: torch.Tensor, default: str = "") -> str:
-    return getattr(p, NAME_ATTR, default)
-
 
 class MixedPrecisionOptimizer:
     """fp32 master weights + loss scaling around a torch optimizer.
@@ -275,7 +254,7 @@ class MixedPrecisionOptimizer:
             ValueError: when saved masters do not fit the model's parameters.
         """
         masters = self._match_masters(state.get("master_params") or {}, state.get("master_names") or {})
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_state_keeping_backend(self.optimizer, state["optimizer"])
         if state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         with torch.no_grad():

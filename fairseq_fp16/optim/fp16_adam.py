@@ -17,7 +17,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
-from ..core.adam import ADAM_BACKENDS, build_adam
+from ..core.adam import ADAM_BACKENDS, build_adam, load_state_keeping_backend
 
 __all__ = ["FP16AdamConfig", "FP16Adam", "parse_betas"]
 
@@ -104,3 +104,11 @@ class FP16Adam(FairseqOptimizer):
     @property
     def supports_flat_params(self):
         return True
+
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        """fairseq's protocol, keeping this run's Adam backend (``--adam-backend``) over the
+        checkpoint's."""
+        load_state_keeping_backend(self.optimizer, state_dict)
+        if optimizer_overrides:
+            for group in self.param_groups:
+                group.update(optimizer_overrides)

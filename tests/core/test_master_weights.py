@@ -1,5 +1,6 @@
 """fp16_adam's update against torch.optim.AdamW, the mixed-precision step, overflow skip."""
 
+import copy
 import io
 
 import pytest
@@ -306,3 +307,36 @@ def test_master_weights_carry_the_attributes_fairseq_reads_and_experts_stay_out_
     random_grads(half, 1, dtype=torch.float16)
     half[2].grad[0, 0, 0] = float("inf")
     assert torch.isfinite(opt.clip_grad_norm(0.0)) and opt.found_inf.item() == 1.0
+
+
+@pytest.mark.parametrize("saved,resumed", [("foreach", "fused"), ("fused", "foreach")])
+def test_a_checkpoint_resumes_with_another_adam_backend(saved, resumed):
+    half, opt = mixed(backend=saved)
+    for step in range(3):
+        random_grads(half, step, dtype=torch.float16)
+        opt.step()
+    state = copy.deepcopy(opt.state_dict())  # as read back from a file: no shared tensors
+    half2, opt2 = mixed(backend=resumed)
+    opt2.load_state_dict(state)
+    group = opt2.optimizer.param_groups[0]
+    assert group.get("fused") is (True if resumed == "fused" else None)
+    assert bool(group.get("foreach")) is (resumed == "foreach")
+    for o, h in ((opt, half), (opt2, half2)):  # and the next step is the same update
+        random_grads(h, 9, dtype=torch.float16)
+        o.step()
+    for a, b in zip(opt.master_params, opt2.master_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_no_bias_correction_checkpoint_loads_into_the_fused_backend():
+    half = [torch.nn.Parameter(p.detach().half()) for p in make_params()]
+    opt = MixedPrecisionOptimizer(half, lambda ps: build_adam(ps, bias_correction=False, **HP),
+                                  LossScaler(1.0, dynamic=False))
+    random_grads(half, 0, dtype=torch.float16)
+    opt.step()
+    half2, opt2 = mixed(backend="fused")
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.optimizer.param_groups[0]["fused"] is True
+    random_grads(half2, 1, dtype=torch.float16)
+    opt2.step()  # runs (bias correction resumes from the saved step count)
+    assert all(torch.isfinite(m).all() for m in opt2.master_params)
