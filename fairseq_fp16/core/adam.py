@@ -73,7 +73,7 @@ def build_adam(
     betas: Tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    no_decay_params: str = "bias,layer_norm",
+    no_decay_params: str = "bias,layer_norm,layernorm_embedding",
     bias_correction: bool = True,
     backend: str = "auto",
 ) -> torch.optim.Optimizer:

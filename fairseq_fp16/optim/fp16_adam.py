@@ -54,7 +54,7 @@ class FP16AdamConfig(FairseqDataclass):
         default=False, metadata={"help": "disable Adam's bias correction (as apex FusedAdam)"}
     )
     no_decay_params: str = field(
-        default="bias,layer_norm",
+        default="bias,layer_norm,layernorm_embedding",
         metadata={
             "help": "comma-separated name patterns: parameters whose name contains one "
             "get no weight decay"

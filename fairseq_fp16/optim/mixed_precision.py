@@ -48,6 +48,25 @@ __all__ = ["BF16_MAX_SCALE", "MixedPrecisionFairseqOptimizer", "build_loss_scale
 BF16_MAX_SCALE = 2.0**24
 
 
+def _section(cfg, name: str):
+    """``cfg.<name>`` or None: fairseq's own test configurations carry only some groups."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # omegaconf's missing-key errors
+        return None
+
+
+def default_scale_window(cfg, epoch: int) -> int:
+    """fairseq's default ``--fp16-scale-window``: 2**14 / (world size x update-freq), with the
+    ``--update-freq`` of ``epoch`` (fairseq takes a list, one entry per epoch, the last one
+    for every later epoch), so that the batches between scale increases stay constant."""
+    dt, opt = _section(cfg, "distributed_training"), _section(cfg, "optimization")
+    world = max(1, int(getattr(dt, "distributed_world_size", 1) or 1))
+    freqs = list(getattr(opt, "update_freq", None) or [1])
+    freq = int(freqs[min(epoch, len(freqs)) - 1])
+    return max(1, int(2**14 / world / freq))
+
+
 def build_loss_scaler(cfg, precision: Precision, device: torch.device) -> LossScaler:
     """The loss scaler for a run, from fairseq's flags and the task's.
 
@@ -59,11 +78,10 @@ def build_loss_scaler(cfg, precision: Precision, device: torch.device) -> LossSc
     spec = precision.loss_scale
     if not spec.dynamic:
         return LossScaler(spec.scale or 1.0, dynamic=False, device=device)
-    hysteresis = int(getattr(cfg.task, "loss_scale_hysteresis", 1) or 1)
+    hysteresis = int(getattr(_section(cfg, "task"), "loss_scale_hysteresis", 1) or 1)
     window = cfg.common.fp16_scale_window
     if window is None:
-        world = max(1, int(cfg.distributed_training.distributed_world_size))
-        window = max(1, int(2**14 / world / int(cfg.optimization.update_freq[0])))
+        window = default_scale_window(cfg, epoch=1)
     return LossScaler(
         float(cfg.common.fp16_init_scale),
         dynamic=True,
@@ -114,7 +132,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             if precision not in NAMES:
                 raise ValueError(f"precision must be one of {NAMES}, got {precision!r}")
             precision = Precision.from_flags(precision == "fp16", precision == "bf16",
-                                             getattr(cfg.task, "loss_scale", None))
+                                             getattr(_section(cfg, "task"), "loss_scale", None))
         self.precision = precision.name
         params = list(params)
         self.num_skipped = 0  # updates skipped for overflow (host-side count)
@@ -180,6 +198,10 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         self.overflow_pending = False
         self.strategy.zero_grad()
 
+    def begin_epoch(self, epoch: int) -> None:
+        """Follow a per-epoch ``--update-freq`` with the default scale window (trainer patch)."""
+        self.strategy.begin_epoch(epoch)
+
     def state_dict(self) -> Dict[str, Any]:
         state = self.strategy.state_dict()
         state["precision"] = self.precision
@@ -208,6 +230,9 @@ class _Passthrough:
         self.inner = optim.build_optimizer(cfg.optimizer, params)
 
     def watch_forward(self, model) -> None:
+        pass
+
+    def begin_epoch(self, epoch: int) -> None:
         pass
 
     def backward(self, loss):
@@ -246,7 +271,9 @@ class _MasterWeights:
     def __init__(self, owner: MixedPrecisionFairseqOptimizer, cfg, params, precision: Precision) -> None:
         self.owner = owner
         self.precision = precision
-        self.max_consecutive_overflows = int(getattr(cfg.task, "max_consecutive_overflows", 0) or 0)
+        self.max_consecutive_overflows = int(
+            getattr(_section(cfg, "task"), "max_consecutive_overflows", 0) or 0)
+        self._cfg = cfg
         self.watch: Optional[NonFiniteWatch] = None
         self._losses = []  # this update's losses, read only on an overflow
         self.loss_scaler = build_loss_scaler(cfg, precision, params[0].device)
@@ -270,6 +297,15 @@ class _MasterWeights:
     def watch_forward(self, model: torch.nn.Module) -> None:
         if self.max_consecutive_overflows and self.watch is None:
             self.watch = NonFiniteWatch(model)
+
+    def begin_epoch(self, epoch: int) -> None:
+        scaler = self.loss_scaler
+        if scaler.dynamic and self._cfg.common.fp16_scale_window is None:
+            window = default_scale_window(self._cfg, epoch)
+            if window != scaler.scale_window:
+                logger.info("fairseq_fp16: --update-freq of epoch %d: loss-scale window %d updates",
+                            epoch, window)
+                scaler.scale_window = window
 
     def backward(self, loss):
         self._losses.append(loss.detach())
@@ -390,6 +426,8 @@ class _MasterWeights:
         if state_dict["precision"] == "fp32":
             saved["scaler"] = None  # an fp32 run has no scale to continue
         self.core.load_state_dict(saved)
+        if self.diagnostics is not None:  # the trace's update numbers continue: every attempted
+            self.diagnostics.attempt = int(self.loss_scaler.state_dict()["num_updates"])  # update
         if optimizer_overrides:
             for group in self.owner.param_groups:
                 group.update(optimizer_overrides)
@@ -418,7 +456,7 @@ class Diagnostics:
 
     @classmethod
     def from_cfg(cls, cfg, precision: str) -> Optional["Diagnostics"]:
-        task = cfg.task
+        task = _section(cfg, "task")
         trace = getattr(task, "scale_trace", None)
         interval = int(getattr(task, "precision_stats_interval", 0) or 0)  # validated by the task
         if not trace and not interval:

@@ -23,6 +23,7 @@ INIT = "fairseq.trainer:Trainer.__init__"
 BUILD_OPTIMIZER = "fairseq.trainer:Trainer._build_optimizer"
 TRAIN_STEP = "fairseq.trainer:Trainer.train_step"
 STATE_DICT = "fairseq.trainer:Trainer.state_dict"
+BEGIN_EPOCH = "fairseq.trainer:Trainer.begin_epoch"
 
 
 def _original(target):
@@ -61,6 +62,14 @@ def plugin_optimizer_applies(cfg) -> bool:
 
 
 def _build_optimizer(self):
+    common = self.cfg.common
+    if (common.memory_efficient_fp16 or common.memory_efficient_bf16) and \
+            getattr(self.cfg.optimizer, "_name", None) == "fp16_adam":
+        flag = "--memory-efficient-fp16" if common.memory_efficient_fp16 else "--memory-efficient-bf16"
+        raise ValueError(
+            f"{flag} keeps no fp32 master weights, and --optimizer fp16_adam updates fp32 masters: "
+            f"use {flag.replace('memory-efficient-', '')} alone (the plugin drops the fp32 gradients "
+            "between steps), or fairseq's --optimizer adam with " + flag)
     if not plugin_optimizer_applies(self.cfg):
         logger.info("fairseq_fp16: this set-up uses fairseq's own optimizer wrapper")
         return _original(BUILD_OPTIMIZER)(self)
@@ -76,6 +85,12 @@ def _build_optimizer(self):
     self._optimizer.watch_forward(self._model)
     self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler, self.optimizer)
     self._lr_scheduler.step_update(0)
+
+
+def _begin_epoch(self, epoch):
+    _original(BEGIN_EPOCH)(self, epoch)
+    if hasattr(self.optimizer, "begin_epoch"):  # the plugin's optimizer wrapper
+        self.optimizer.begin_epoch(epoch)
 
 
 def _train_step(self, samples, raise_oom=False):
@@ -126,6 +141,10 @@ PATCHES = [
               "CUDA: the rest of the handler is done here; and when the optimizer stops the "
               "run, fairseq's NanDetector re-run (broken with torch 2.x on dict outputs) is "
               "replaced by the optimizer's own error"),
+    Patch(BEGIN_EPOCH, group="precision", replacement=_begin_epoch,
+          expects=["self.lr_step_begin_epoch(epoch)"],
+          why="a per-epoch --update-freq changes the default loss-scale window with the epoch "
+              "(fairseq computes it once, from the first entry)"),
     Patch(STATE_DICT, group="precision", expects=['"optimizer_name": self.optimizer.__class__.__name__'],
           why="checkpoints record the optimizer's class name; the wrapper keeps one class for "
               "every precision so that runs resume across precisions"),
