@@ -121,3 +121,17 @@ def test_distributed_resume_continues_like_an_uninterrupted_run(toy_data, tmp_pa
         assert got[u]["loss"] == pytest.approx(ref[u]["loss"], abs=2e-3), u
         assert got[u]["loss_scale"] == ref[u]["loss_scale"] and got[u]["skipped"] == ref[u]["skipped"], u
     assert len({r["loss_scale"] for r in full}) > 1  # the scale moved
+
+
+def test_a_rank_whose_loss_is_not_finite_stops_every_rank_with_one_message(toy_data, tmp_path):
+    """--max-consecutive-overflows decides over all ranks: rank 1 alone gets NaN losses from
+    update 3 on; both ranks count the updates, stop together and name the same cause (a rank
+    stopping alone would leave the other waiting in the next all-reduce)."""
+    proc, _ = torchrun(toy_data, tmp_path, "--max-update", "20", "--no-save", "--max-consecutive-overflows", "3",
+                       "--fault", "nan-loss", "--fault-at", "3", "--fault-every", "1", "--fault-rank", "1",
+                       check=False)
+    assert proc.returncode != 0
+    stops = [line for line in proc.stderr.splitlines()
+             if "FloatingPointError: fairseq_fp16: 3 consecutive updates skipped" in line]
+    assert len(stops) >= 2 and len({s.split("FloatingPointError: ", 1)[1] for s in stops}) == 1, stops
+    assert "the forward pass is finite up to the model's output but the loss is not" in stops[0]

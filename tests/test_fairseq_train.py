@@ -162,3 +162,10 @@ def test_lstm_and_fconv_models_train_and_generate_in_fp16(toy_data, tmp_path, ar
     assert "--half-matmul: every half-precision matrix product of the first generation step " \
            "accumulated in fp32" in gen.stdout + gen.stderr
     assert sum(line.startswith("H-") for line in gen.stdout.splitlines()) == 100
+
+
+def test_the_whole_encoder_in_fp32_trains(toy_data, tmp_path):
+    # the encoder's dict output is cast back to half at the island's edge for the decoder
+    proc, recs = train(toy_data, tmp_path, "--fp16", "--fp32-modules", "^encoder$", "--max-update", "3")
+    assert "fp32 modules (--fp32-modules): encoder" in proc.stdout + proc.stderr
+    assert [r["num_updates"] for r in recs] == [1, 2, 3] and all(r["skipped"] == 0 for r in recs)

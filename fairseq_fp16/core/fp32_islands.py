@@ -26,36 +26,49 @@ from typing import Dict, List, Optional, Tuple, Type
 import torch
 from torch import nn
 
-__all__ = ["NORM_TYPES", "keep_in_fp32", "apply_fp32_islands", "is_fp32_island"]
+__all__ = ["NORM_TYPES", "apply_fp32_islands", "default_norm_types", "is_fp32_island", "keep_in_fp32"]
 
 NORM_TYPES: Tuple[Type[nn.Module], ...] = (
     nn.LayerNorm,
     nn.GroupNorm,
     nn.modules.batchnorm._BatchNorm,
-)
+) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+#: apex's normalisation layers (what fairseq's ``LayerNorm()`` returns where apex is installed)
+APEX_NORMS = ("FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm", "MixedFusedRMSNorm")
+
+
+def default_norm_types() -> Tuple[Type[nn.Module], ...]:
+    """:data:`NORM_TYPES` and, where apex is installed, its fused normalisation layers."""
+    try:
+        from apex import normalization  # optional: fairseq's LayerNorm() prefers apex's
+    except ImportError:
+        return NORM_TYPES
+    return NORM_TYPES + tuple(getattr(normalization, n) for n in APEX_NORMS if hasattr(normalization, n))
 
 _HALF = (torch.float16, torch.bfloat16)
 _island_classes: Dict[type, type] = {}
 
 
-def _to_fp32(x):
-    if torch.is_tensor(x) and x.dtype in _HALF:
-        return x.float()
-    if isinstance(x, tuple):
-        return tuple(_to_fp32(v) for v in x)
-    if isinstance(x, list):
-        return [_to_fp32(v) for v in x]
+def _map(x, fn):
+    """``fn`` applied to every tensor in nested tuples, lists and dicts (fairseq's encoder
+    returns a dict of lists of tensors); other values as they are."""
+    if torch.is_tensor(x):
+        return fn(x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+        return type(x)(*(_map(v, fn) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(v, fn) for v in x)
+    if isinstance(x, dict):
+        return type(x)((k, _map(v, fn)) for k, v in x.items())
     return x
+
+
+def _to_fp32(x):
+    return _map(x, lambda t: t.float() if t.dtype in _HALF else t)
 
 
 def _to_dtype(x, dtype):
-    if torch.is_tensor(x) and x.dtype == torch.float32:
-        return x.to(dtype)
-    if isinstance(x, tuple):
-        return tuple(_to_dtype(v, dtype) for v in x)
-    if isinstance(x, list):
-        return [_to_dtype(v, dtype) for v in x]
-    return x
+    return _map(x, lambda t: t.to(dtype) if t.dtype == torch.float32 else t)
 
 
 def _first_half_dtype(args, kwargs) -> Optional[torch.dtype]:
@@ -130,7 +143,7 @@ def keep_in_fp32(module: nn.Module) -> nn.Module:
 
 
 def apply_fp32_islands(
-    model: nn.Module, fp32_modules: Optional[str] = None, norm_types=NORM_TYPES
+    model: nn.Module, fp32_modules: Optional[str] = None, norm_types=None
 ) -> List[str]:
     """Turn normalisation layers and modules matching ``fp32_modules`` into islands.
 
@@ -154,6 +167,7 @@ def apply_fp32_islands(
             raise ValueError(
                 f"--fp32-modules is not a valid regular expression: {fp32_modules!r} ({e})"
             ) from None
+    norm_types = norm_types or default_norm_types()
     matched = []
     for name, module in model.named_modules():
         if pattern is not None and name and pattern.search(name):

@@ -367,13 +367,17 @@ class _MasterWeights:
         limit = self.max_consecutive_overflows
         if not limit:
             return
-        loss_finite = all(bool(torch.isfinite(t).all()) for t in self._losses)  # synced already
+        # Every rank is here on the same update (the all-reduced gradients overflowed on all of
+        # them), so each decision below is taken over all ranks: a rank deciding alone would
+        # stop while the others wait in the next all-reduce.
+        loss_finite = _on_every_rank(all(bool(torch.isfinite(t).all()) for t in self._losses),
+                                     self.loss_scaler.scale_tensor.device)
         if loss_finite and self.loss_scaler.dynamic:
             return
         self.owner.consecutive_overflows += 1
         if self.owner.consecutive_overflows < limit:
             return
-        first = self.watch.first if self.watch is not None else None
+        first = _first_on_any_rank(self.watch.first if self.watch is not None else None)
         if first is not None:
             cause = (
                 f"the forward pass is not finite: first {first['kind']} in the output of "
@@ -507,6 +511,32 @@ class Diagnostics:
         if self.pending_norm is not None:
             self.trace(opt, self.pending_norm, overflow=False)
             self.pending_norm = None
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _on_every_rank(flag: bool, device: torch.device) -> bool:
+    """``flag`` and-ed over all ranks (one all-reduce; the caller is on every rank)."""
+    if not _distributed():
+        return flag
+    dist = torch.distributed
+    if dist.get_backend() == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _first_on_any_rank(first):
+    """The first non-finite module seen by the lowest rank that saw one, on every rank."""
+    if not _distributed():
+        return first
+    seen = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(seen, first)
+    return next((f for f in seen if f is not None), None)
 
 
 def _rank() -> int:

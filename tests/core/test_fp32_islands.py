@@ -104,3 +104,47 @@ def test_tied_embedding_and_projection_become_islands_together():
     assert m(torch.tensor([1, 2])).dtype == torch.float16
     m.float()
     assert m.embed_tokens(torch.tensor([1])).dtype == torch.float32
+
+
+def test_rms_norm_and_apex_fused_norms_are_islands(monkeypatch):
+    import sys
+    import types
+
+    class FusedLayerNorm(torch.nn.Module):  # apex.normalization's, as fairseq's LayerNorm() returns it
+        def __init__(self, n):
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.ones(n)), torch.nn.Parameter(torch.zeros(n))
+
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias)
+
+    apex = types.ModuleType("apex")
+    apex.normalization = types.ModuleType("apex.normalization")
+    apex.normalization.FusedLayerNorm = FusedLayerNorm
+    monkeypatch.setitem(sys.modules, "apex", apex)
+    monkeypatch.setitem(sys.modules, "apex.normalization", apex.normalization)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8), FusedLayerNorm(8))
+    apply_fp32_islands(model, norm_types=None)
+    model.half()
+    assert [p.dtype for p in model[1].parameters()] == [torch.float32]
+    assert {p.dtype for p in model[2].parameters()} == {torch.float32}
+    out = model(torch.randn(3, 8).half())
+    assert out.dtype == torch.float16
+
+
+def test_a_module_returning_a_dict_of_lists_is_an_island_at_its_edge():
+    class Encoder(torch.nn.Module):  # fairseq's encoders return {"encoder_out": [T x B x C], ...}
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return {"encoder_out": [self.proj(x)], "encoder_padding_mask": [x[..., 0] > 0], "src_lengths": []}
+
+    model = torch.nn.ModuleDict({"encoder": Encoder(), "decoder": torch.nn.Linear(4, 2)})
+    assert apply_fp32_islands(model, "^encoder$") == ["encoder"]
+    model.half()
+    out = model["encoder"](torch.randn(5, 4).half())
+    assert out["encoder_out"][0].dtype == torch.float16 and out["encoder_padding_mask"][0].dtype == torch.bool
+    assert model["decoder"](out["encoder_out"][0]).dtype == torch.float16
+    assert model["encoder"].proj.weight.dtype == torch.float32
