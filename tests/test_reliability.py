@@ -204,23 +204,27 @@ def test_kill_during_checkpoint_copy_keeps_checkpoint_last_loadable(toy_data, tm
 
 
 @pytest.mark.slow
-def test_stock_in_place_copy_leaves_a_truncated_checkpoint_named_on_resume(toy_data, tmp_path):
-    """What the atomic copy prevents; the resume error names the file and the way out."""
+def test_a_truncated_checkpoint_last_resumes_from_the_newest_intact_one(toy_data, tmp_path):
+    """What the atomic copy prevents (a kill while stock fairseq copies checkpoint_last.pt in
+    place), and what a resume then does: it continues from the newest intact checkpoint with a
+    warning naming both files, keeps the damaged bytes aside, and trains as an uninterrupted
+    run from there."""
     flags = ["--fp16", "--save-interval-updates", "4", "--max-update", "12"]
+    _, full = train_faulty(toy_data, tmp_path / "full", *flags)
     proc, _ = train_faulty(toy_data, tmp_path, *flags, env={"FAULT_KILL_IN_COPY": "2", "FAULT_STOCK_COPY": "1"},
                            check=False)
     assert proc.returncode == -signal.SIGKILL
     ckpt = tmp_path / "checkpoint_last.pt"
     damaged = ckpt.read_bytes()
-    proc, _ = train_faulty(toy_data, tmp_path, *flags, check=False)
-    assert proc.returncode != 0
-    assert re.search(rf"fairseq_fp16: checkpoint {re.escape(str(ckpt))} is truncated or corrupt "
-                     r"\(RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central "
-                     r"directory\); nothing was loaded or overwritten; other checkpoints in \S+: "
-                     r".*checkpoint_1_8\.pt.* \(resume from one with --restore-file\)", proc.stderr), proc.stderr[-2000:]
-    assert ckpt.read_bytes() == damaged
-    proc, rest = train_faulty(toy_data, tmp_path, *flags, "--restore-file", tmp_path / "checkpoint_1_8.pt")
+    proc, rest = train_faulty(toy_data, tmp_path, *flags)
+    assert re.search(rf"fairseq_fp16: {re.escape(str(ckpt))} is truncated or corrupt \(RuntimeError: "
+                     r"PytorchStreamReader failed reading zip archive: failed finding central directory\); "
+                     r"resumed from checkpoint_1_8\.pt, the newest intact checkpoint beside it; the damaged "
+                     r"file is kept as checkpoint_last\.pt\.damaged", proc.stdout + proc.stderr), proc.stdout[-2000:]
+    assert (tmp_path / "checkpoint_last.pt.damaged").read_bytes() == damaged
     assert [r["num_updates"] for r in rest] == [9, 10, 11, 12]
+    ref = _losses_by_update(full)
+    assert _losses_by_update(rest) == {u: ref[u] for u in (9, 10, 11, 12)}
 
 
 def _kill_when_logged(cmd, env, update):

@@ -3,6 +3,7 @@ name a damaged or refused checkpoint file."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
@@ -12,6 +13,12 @@ from fairseq.file_io import PathManager
 
 from .. import safe_load
 from .registry import Patch
+
+logger = logging.getLogger(__name__)
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint file whose bytes torch could not read (truncated, corrupt) or refused."""
+
 
 COPY = "fairseq.checkpoint_utils:PathManager"
 SAVE = "fairseq.checkpoint_utils:save_checkpoint"
@@ -112,7 +119,47 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
             damaged = False  # e.g. a device or version problem of a readable file
         if not damaged:
             raise
-        raise RuntimeError(describe_load_error(str(path), e)) from e
+        raise DamagedCheckpointError(describe_load_error(str(path), e)) from e
+
+
+LAST = "checkpoint_last.pt"
+
+
+def intact_alternatives(path: str):
+    """The other checkpoint files beside ``path``, the candidates to resume from: newest first,
+    ``checkpoint_best*.pt`` last (the best validation score is not the latest state)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    names = [f for f in os.listdir(folder)
+             if f.endswith(".pt") and os.path.join(folder, f) != os.path.abspath(path)]
+    names.sort(key=lambda f: (f.startswith("checkpoint_best"), -os.path.getmtime(os.path.join(folder, f))))
+    return [os.path.join(folder, f) for f in names]
+
+
+def _load_checkpoint(self, filename, *args, **kwargs):
+    original = _original(TRAINER_LOAD)
+    try:
+        return original(self, filename, *args, **kwargs)
+    except DamagedCheckpointError as err:
+        if os.path.basename(str(filename)) != LAST:
+            raise
+        damaged = err
+    for candidate in intact_alternatives(str(filename)):
+        try:
+            extra_state = original(self, candidate, *args, **kwargs)
+        except DamagedCheckpointError:
+            continue
+        kept = str(filename) + ".damaged"
+        os.replace(filename, kept)  # the run writes a new checkpoint_last.pt; keep these bytes
+        logger.warning(
+            "fairseq_fp16: %s is truncated or corrupt (%s); resumed from %s, the newest intact "
+            "checkpoint beside it; the damaged file is kept as %s", filename,
+            str(damaged).split(" (", 1)[1].split(")", 1)[0], os.path.basename(candidate),
+            os.path.basename(kept))
+        return extra_state
+    raise damaged
+
+
+TRAINER_LOAD = "fairseq.trainer:Trainer.load_checkpoint"
 
 
 PATCHES = [
@@ -123,6 +170,11 @@ PATCHES = [
               "rename"),
     Patch(SAVE, group="repair", expects=["PathManager.copy(", "trainer.save_checkpoint(checkpoints[0], extra_state)"],
           why="relied on: save_checkpoint copies through the module's PathManager (above)"),
+    Patch(TRAINER_LOAD, group="repair", replacement=_load_checkpoint,
+          expects=["state = checkpoint_utils.load_checkpoint_to_cpu("],
+          why="a truncated or corrupt checkpoint_last.pt (a kill while stock fairseq copied it) "
+              "stops every resume; the run resumes from the newest intact checkpoint beside it "
+              "with a warning naming both files, the damaged one kept as .damaged"),
     Patch(LOAD, group="repair", replacement=_load_checkpoint_to_cpu,
           expects=['torch.load(f, map_location=torch.device("cpu"))'],
           why="train resume and fairseq-generate load checkpoints here; torch's errors for a "
