@@ -4,8 +4,10 @@ For each mode (same data, seed and hyper-parameters) this runs ``fairseq-train``
 then ``fairseq-generate`` on the test split, scores the detokenised output
 with sacrebleu (BLEU and chrF, with signatures), and writes
 ``OUT/<mode>/result.json`` (timings, peak memory, losses, loss-scale trace,
-skipped updates, scores, the machine and the CPU matrix-product path) plus the
-hypothesis and reference files. Tables and plots come from
+skipped updates, scores, the machine, and what the run used as the plugin's
+``SAVE_DIR/run_info.json`` records it: the CPU matrix-product path, batch
+lengths, loss, attention; ``runs.py`` has the schema) plus the hypothesis and
+reference files. Tables and plots come from
 ``scripts/report.py OUT``.
 
     python scripts/compare.py DATA_BIN --out OUT --modes fp32,fp16,bf16 \\
@@ -42,7 +44,8 @@ import time
 from pathlib import Path
 
 from .paths import USER_DIR, script
-from .runs import DECODE_SETTINGS, SETTING_DEFAULTS, TRAIN_SETTINGS, parse_json_records, read_generate_output
+from .runs import (DECODE_SETTINGS, RUN_INFO, SETTING_DEFAULTS, TRAIN_SETTINGS, parse_json_records,
+                   read_generate_output, run_info_fields)
 
 MODES = {
     "fp32": {"flags": [], "plugin": True},
@@ -53,16 +56,6 @@ MODES = {
 #: ``MODE@seedN``: the mode trained with another seed, e.g. ``fp32@seed2``: a control run whose
 #: difference to fp32 is training-to-training variation alone.
 MODE_SPEC = re.compile(r"^(?P<base>[a-z0-9-]+?)(?:@seed(?P<seed>\d+))?$")
-#: translation_fp16's log line on the CPU matrix-product path a half-precision run took
-HALF_MATMUL_LOG = re.compile(r"CPU (?:fp16|bf16) matrix products: (.+?) \((--half-matmul \S+)\)")
-#: its check of the first training step under fp32 accumulation: products left on native kernels
-NATIVE_PRODUCTS_LOG = re.compile(r"--half-matmul: (?:(\d+) half-precision matrix products of the first "
-                                 r"training step ran on|every half-precision matrix product of the "
-                                 r"first training step accumulated)")
-#: translation_fp16's log line when a CPU half run's batch lengths are padded (--cpu-length-multiple)
-PADDED_LENGTHS_LOG = re.compile(r"CPU batch lengths: padded to a multiple of (\d+) \((--[a-z-]+(?: \S+)?)[;)]")
-#: translation_fp16's log line when the criterion takes the fused loss (--fused-loss)
-FUSED_LOSS_LOG = re.compile(r"--fused-loss (?:auto|on): \S+ computes its loss from the logits")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
 
 
@@ -213,13 +206,14 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
     task, plugin = task_and_plugin(spec)
     optimizer = "fp16_adam" if spec["plugin"] else "adam"
     log_file = run_dir / "train.out"
+    # a leftover of an earlier training in this folder is not this run's (a stock run writes none)
+    (ckpt_dir / RUN_INFO).unlink(missing_ok=True)
     train_args = [a.data, *plugin, "--task", task, "--optimizer", optimizer, "--seed", seed,
                   "--save-dir", ckpt_dir, "--log-format", "json",
                   *shlex.split(a.train_args), *spec["flags"]]
     banner(f"[{mode}] training: fairseq-train {' '.join(spec['flags']) or '(fp32)'}")
     t_stats = run_with_stats(run_dir / "train_stats.json", "fairseq-train", train_args, log_file)
-    log_text = log_file.read_text()
-    log = parse_json_records(log_text)
+    log = parse_json_records(log_file.read_text())
     inner = log["train_inner"]
     if not inner:
         raise SystemExit(f"[{mode}] no train_inner records in {log_file}; use --log-interval")
@@ -229,10 +223,6 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
     steady = inner[1:] or inner
     ups = [r["ups"] for r in steady if isinstance(r.get("ups"), (int, float))]
     wps = [r["wps"] for r in steady if isinstance(r.get("wps"), (int, float))]
-
-    half_matmul = HALF_MATMUL_LOG.search(log_text)
-    padded = PADDED_LENGTHS_LOG.search(log_text)
-    native_products = NATIVE_PRODUCTS_LOG.search(log_text)
 
     def wall_at(update):
         walls = [r["wall"] for r in inner if r["num_updates"] <= update and "wall" in r]
@@ -246,16 +236,8 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
         "train_command": ["fairseq-train", *map(str, train_args)],
         # the hardware and versions of the training process (scripts/run_stats.py)
         "machine": t_stats.get("machine"),
-        # e.g. "fp32 accumulation, rounded to half (--half-matmul auto)"; None: fp32 or CUDA
-        "half_matmul": f"{half_matmul.group(1)} ({half_matmul.group(2)})" if half_matmul else None,
-        # half products of the first training step that fp32 accumulation left on torch's native
-        # kernels (the train log names them); None: not checked (fp32, native kernels, CUDA)
-        "native_half_products": (int(native_products.group(1) or 0) if native_products else None),
-        # e.g. "padded to a multiple of 8 (--cpu-length-multiple auto)"; None: as they are, or
-        # padded by fairseq's --required-seq-len-multiple alone (an fp32 run: see train_command)
-        "batch_lengths": f"padded to a multiple of {padded.group(1)} ({padded.group(2)})" if padded else None,
-        # the loss came from the fused loss (--fused-loss), not fairseq's fp32 log-softmax
-        "fused_loss": bool(FUSED_LOSS_LOG.search(log_text)),
+        # what the run used (the plugin's SAVE_DIR/run_info.json; None/False for stock fairseq)
+        **run_info_fields(ckpt_dir),
         "train": {
             "wall_s": round(t_stats["wall_s"], 2),
             "peak_rss_mb": round(t_stats["peak_rss_mb"], 1),

@@ -75,7 +75,8 @@ def machine_lines(results) -> list:
 
 def batch_lengths(r) -> str:
     """How a run's batch lengths were shaped: as they are, or padded to a multiple (by the plugin's
-    --cpu-length-multiple, which its log records, or by fairseq's --required-seq-len-multiple)."""
+    --cpu-length-multiple, which its run_info.json records, or by fairseq's
+    --required-seq-len-multiple)."""
     if r.get("batch_lengths"):
         return r["batch_lengths"]
     cmd = r.get("train_command") or []

@@ -9,8 +9,9 @@
 - ``mode``, ``base_mode`` (``fp32`` for ``fp32-seed2``), ``precision_flags``, ``plugin``,
   ``seed``, ``train_command``;
 - ``machine``: the hardware and versions of the training process (``bench/run_stats.py``);
-- what the run used, from its train log: ``half_matmul``, ``native_half_products``,
-  ``batch_lengths``, ``fused_loss``;
+- what the run used, from ``SAVE_DIR/run_info.json`` (:func:`run_info_fields`):
+  ``half_matmul``, ``native_half_products``, ``batch_lengths``, ``fused_loss``, ``attention``,
+  ``compile_layers``;
 - ``train``: ``wall_s``, ``peak_rss_mb``, ``peak_cuda_mb``, ``updates``, ``updates_per_s``,
   ``words_per_s``, ``skipped_updates``, ``final_loss_scale`` and fairseq's own records
   (``train_inner``, ``valid`` with ``wall``, ``epochs``);
@@ -32,6 +33,8 @@ TRAIN_SETTINGS = ("data", "train_args", "seed")
 DECODE_SETTINGS = ("gen_args", "gen_subset", "short_max_words", "average_last")
 #: what a settings.json written before a key existed meant by its absence
 SETTING_DEFAULTS = {"average_last": 0}
+#: what the plugin writes into a run's --save-dir (fairseq_fp16/run_info.py documents its keys)
+RUN_INFO = "run_info.json"
 
 _RECORD = re.compile(r"\| (train_inner|valid|train) \| (\{.*\})\s*$")
 
@@ -63,6 +66,31 @@ def _num(v):
         return int(f) if f.is_integer() and "." not in str(v) else f
     except (TypeError, ValueError):
         return v
+
+
+def run_info_fields(save_dir: Path) -> dict:
+    """result.json's entries on what a run used, from ``save_dir/run_info.json``.
+
+    ``half_matmul``: the CPU matrix-product path of a half run, e.g. ``"fp32 accumulation,
+    rounded to half (--half-matmul auto)"`` (None: fp32 or CUDA); ``native_half_products``:
+    half products of the first training step that fp32 accumulation left on torch's native
+    kernels (None: not checked: fp32, native kernels, CUDA); ``batch_lengths``: e.g. ``"padded
+    to a multiple of 8 (--cpu-length-multiple auto)"`` (None: as they are, or padded by fairseq's
+    --required-seq-len-multiple alone, an fp32 run: see ``train_command``); ``fused_loss``: the
+    loss came from the fused loss (--fused-loss), not fairseq's fp32 log-softmax;
+    ``attention``: the attention path; ``compile_layers``. A run without the file (stock
+    fairseq, which runs without the plugin) gets None and ``fused_loss`` False.
+    """
+    path = Path(save_dir) / RUN_INFO
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    return {
+        "half_matmul": info.get("half_matmul"),
+        "native_half_products": info.get("native_half_products"),
+        "batch_lengths": info.get("batch_lengths"),
+        "fused_loss": bool(info.get("fused_loss")),
+        "attention": info.get("attention"),
+        "compile_layers": info.get("compile_layers"),
+    }
 
 
 def read_generate_output(path: Path):
