@@ -6,8 +6,8 @@ with sacrebleu (BLEU and chrF, with signatures), and writes
 ``OUT/<mode>/result.json`` (timings, peak memory, losses, loss-scale trace,
 skipped updates, scores, the machine, and what the run used as the plugin's
 ``SAVE_DIR/run_info.json`` records it: the CPU matrix-product path, batch
-lengths, loss, attention; ``runs.py`` has the schema) plus the hypothesis and
-reference files. Tables and plots come from
+lengths, loss, attention; ``fairseq_fp16_tools/runs.py`` has the schema) plus the
+hypothesis and reference files. Tables and plots come from
 ``scripts/report.py OUT``.
 
     python scripts/compare.py DATA_BIN --out OUT --modes fp32,fp16,bf16 \\
