@@ -5,14 +5,14 @@ setup(
     version="0.1.0",
     description="Mixed-precision (fp16/bf16) training for fairseq translation models, "
     "as a --user-dir plugin: fp32 master weights, fused Adam, loss scaling, fp32 islands",
-    packages=find_packages(include=["fairseq_fp16", "fairseq_fp16.*"]),
+    packages=find_packages(include=["fairseq_fp16", "fairseq_fp16.*", "fairseq_fp16_tools", "fairseq_fp16_tools.*"]),
     python_requires=">=3.9",
     install_requires=[
         "torch>=2.4",
         # fairseq 0.12.2 cannot be imported on Python 3.11; this fork can.
         "fairseq-fixed==0.12.3.1",
         "sacrebleu>=2.4",
-        # Student's t for the seed-paired equivalence test (scripts/report.py, scripts/verdict.py)
+        # Student's t for the seed-paired equivalence test (fairseq_fp16_tools/stats.py)
         "scipy",
         "sentencepiece",
         # Moses-style sentence splitting for the Debian corpus (examples/translation)

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny synthetic corpus and helpers that run the real CLIs."""
 
 import atexit
+import importlib.util
 import json
 import os
 import shutil
@@ -11,11 +12,21 @@ from pathlib import Path
 
 import pytest
 
+from fairseq_fp16_tools.runs import parse_json_records  # noqa: F401  (fairseq's json log records)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from compare import parse_json_records  # noqa: E402  (the comparison runner's log parser)
 
 BIN = Path(sys.executable).parent
+
+
+def load_file(path: Path):
+    """The module of a file that belongs to no package (a GPU staging script, an example),
+    imported from its path."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def tool_path(tool: str) -> str:
@@ -75,7 +86,7 @@ def _kernel_cache_env_restored():
 
 @pytest.fixture(scope="session")
 def toy_data(tmp_path_factory):
-    from make_toy_corpus import write_corpus
+    from fairseq_fp16_tools.corpus import write_corpus
 
     return write_corpus(tmp_path_factory.mktemp("toy"), train=2000, valid=100, test=100)
 

@@ -27,7 +27,7 @@ def load(path):
 
 
 def test_last_interval_checkpoints_are_the_newest_by_updates(fp16_run):
-    from average_checkpoints import last_interval_checkpoints
+    from fairseq_fp16_tools.checkpoints import last_interval_checkpoints
 
     names = [p.name for p in last_interval_checkpoints(fp16_run, 3)]
     updates = [int(n[:-3].split("_")[2]) for n in names]
@@ -42,7 +42,7 @@ def test_last_interval_checkpoints_are_the_newest_by_updates(fp16_run):
 
 
 def test_half_run_is_averaged_from_its_fp32_masters(fp16_run, tmp_path):
-    from average_checkpoints import average, last_interval_checkpoints
+    from fairseq_fp16_tools.checkpoints import average, last_interval_checkpoints
 
     paths = last_interval_checkpoints(fp16_run, 3)
     summary = average(paths, tmp_path / "avg.pt")
@@ -77,8 +77,7 @@ def test_half_run_is_averaged_from_its_fp32_masters(fp16_run, tmp_path):
 
 
 def test_one_checkpoint_averages_to_its_exported_masters(fp16_run, tmp_path):
-    from average_checkpoints import average
-    from export_fp32_checkpoint import export
+    from fairseq_fp16_tools.checkpoints import average, export
 
     last = fp16_run / "checkpoint_last.pt"
     average([last], tmp_path / "avg.pt")
@@ -89,7 +88,7 @@ def test_one_checkpoint_averages_to_its_exported_masters(fp16_run, tmp_path):
 
 
 def test_averaged_checkpoint_decodes_in_every_precision(toy_data, fp16_run, tmp_path):
-    from average_checkpoints import main
+    from fairseq_fp16_tools.checkpoints import average_main as main
 
     main([str(tmp_path / "avg.pt"), "--last", "3", "--dir", str(fp16_run)])
     _, ref, _ = generate(toy_data, fp16_run / "checkpoint_last.pt")
@@ -102,7 +101,8 @@ def test_averaged_checkpoint_decodes_in_every_precision(toy_data, fp16_run, tmp_
 
 
 def test_fp32_run_averages_its_weights_and_refuses_mixing(toy_data, fp16_run, tmp_path):
-    from average_checkpoints import average, last_interval_checkpoints, main
+    from fairseq_fp16_tools.checkpoints import average, last_interval_checkpoints
+    from fairseq_fp16_tools.checkpoints import average_main as main
 
     train(toy_data, tmp_path / "fp32", "--max-update", "4", "--save-interval-updates", "2",
           "--keep-interval-updates", "2")

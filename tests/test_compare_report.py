@@ -86,7 +86,7 @@ def test_result_json_records_the_machine_and_the_matmul_path(compared):
 
 
 def test_report_warns_when_runs_ran_on_different_machines():
-    from report import machine_lines
+    from fairseq_fp16_tools.report import machine_lines
 
     cpu = {"cpu": "AMD EPYC", "cpu_cores": 2, "cpu_capability": "AVX512", "cpu_native_bf16": True,
            "cpu_native_fp16": False, "device": "cpu", "torch": "2.13.0+cpu", "fairseq": "0.12.3.1",
@@ -308,7 +308,8 @@ def _run(mode, seed, bleu, base=None):
 
 
 def test_seed_spread_places_mixed_runs_among_fp32_seeds():
-    from report import seed_spread, spread_lines
+    from fairseq_fp16_tools.report import spread_lines
+    from fairseq_fp16_tools.summary import seed_spread
 
     results = [_run("fp32", 1, 10.0), _run("fp16", 1, 11.2), _run("bf16", 1, 10.3),
                _run("fp32-seed2", 2, 10.4, "fp32"), _run("fp32-seed3", 3, 10.2, "fp32"),
@@ -358,7 +359,7 @@ def test_report_has_the_seed_spread_of_a_control_run(compared):
 
 
 def test_report_names_each_runs_decoding_flags_when_they_differ():
-    from report import decoding_line
+    from fairseq_fp16_tools.report import decoding_line
 
     runs = [{"mode": "fp32", "generate": {"gen_args": "--beam 4 --lenpen 2.0"}},
             {"mode": "fp16", "generate": {"gen_args": "--beam 4 --lenpen 1.0"}},
@@ -387,15 +388,14 @@ def test_demo_flags_are_those_of_the_committed_reports(results, flags):
     # make demo (and the longer recipe's documented demo.py flags) reproduce the committed runs'
     # training and decoding flags exactly, so a rerun compares like with like and
     # --keep-existing accepts runs made before.
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from demo import debian_args
+    from fairseq_fp16_tools.demo import debian_args
 
     settings = json.loads((ROOT / "examples" / "translation" / "results" / results / "settings.json").read_text())
     assert debian_args(**flags) == (settings["train_args"], settings["gen_args"])
 
 
 def test_permutation_p_counts_the_splits_as_extreme_as_observed():
-    from report import permutation_p
+    from fairseq_fp16_tools.stats import permutation_p
 
     # pooled 1..6 split 2 vs 4: only {1,2} and {5,6} differ by >= 3 in mean, of 15 splits
     assert permutation_p([1, 2], [3, 4, 5, 6]) == pytest.approx(2 / 15)
@@ -413,7 +413,8 @@ def _bleu_run(out, mode, seed, hyps, refs, base=None):
 
 
 def test_by_precision_pairs_runs_by_seed_and_tests_over_seeds(tmp_path):
-    from report import by_precision, equivalence_table, precision_table
+    from fairseq_fp16_tools.summary import by_precision
+    from fairseq_fp16_tools.tables import equivalence_table, precision_table
 
     refs = [f"the {w} sat on the mat number {i} today" for i, w in enumerate(["cat", "dog", "cow"] * 20)]
     worse = [r.replace("sat on", "lay at") if i % 2 else r for i, r in enumerate(refs)]
@@ -550,8 +551,7 @@ def test_average_last_needs_the_interval_checkpoints(toy_data, tmp_path):
                                      "not x") in proc.stderr
     proc = run("--max-update 30", n="-1")
     assert proc.returncode == 2 and "--average-last must be >= 0 (0 = off), got -1" in proc.stderr
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from compare import flag_value
+    from fairseq_fp16_tools.compare import flag_value
 
     assert flag_value(["--a", "1", "--keep-interval-updates=3", "--keep-interval-updates", "4"],
                       "--keep-interval-updates") == "4"

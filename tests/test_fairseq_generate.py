@@ -117,7 +117,7 @@ SHARED_EMBEDDING = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"
 
 @pytest.fixture(scope="module")
 def exported(fp16_checkpoint, tmp_path_factory):
-    from export_fp32_checkpoint import export
+    from fairseq_fp16_tools.checkpoints import export
 
     out = tmp_path_factory.mktemp("exported") / "fp32.pt"
     return out, export(fp16_checkpoint, out)
@@ -165,7 +165,8 @@ def test_exported_checkpoint_decodes_and_resumes_as_the_original(toy_data, fp16_
 
 
 def test_export_refuses_a_checkpoint_without_masters_or_with_foreign_ones(toy_data, fp16_checkpoint, tmp_path):
-    from export_fp32_checkpoint import export, main
+    from fairseq_fp16_tools.checkpoints import export
+    from fairseq_fp16_tools.checkpoints import export_main as main
 
     train(toy_data, tmp_path / "fp32", "--max-update", "2")
     with pytest.raises(ValueError, match=r"fp32/checkpoint_last\.pt holds no fp32 master weights "

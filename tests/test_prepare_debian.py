@@ -1,12 +1,9 @@
 """The Debian description corpus builder: parsing, pairing and splitting (no network)."""
 
-import sys
-
 import pytest
-from conftest import ROOT
+from conftest import ROOT, load_file
 
-sys.path.insert(0, str(ROOT / "examples" / "translation"))
-import prepare_debian as pd  # noqa: E402
+pd = load_file(ROOT / "examples" / "translation" / "prepare_debian.py")
 
 # Hand-written stanzas in the index format (not archive data).
 EN = """Package: foo-utils

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY_MODEL, TRAIN, USER_DIR
-from profile_summary import classify, summarize_trace, table
+from fairseq_fp16_tools.bench.profile_summary import classify, summarize_trace, table
 
 
 def ev(cat, name, ts, dur):

@@ -7,8 +7,8 @@ import sys
 
 from conftest import ROOT
 
-import render_docs  # scripts/ is on sys.path (conftest)
-from render_docs import TABLES, Table, main, md_table, render_doc
+from fairseq_fp16_tools import render_docs
+from fairseq_fp16_tools.render_docs import TABLES, Table, main, md_table, render_doc
 
 GPU_JSON = "benchmarks/h200/precisions/train_16384.json"
 

@@ -4,24 +4,21 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
-
 # run_stats.main on ``fairseq-train --help`` (exits 0 at once), its machine() replaced when asked
 DRIVER = r"""
 import sys
-sys.path.insert(0, sys.argv[1])
-import run_stats
-if sys.argv[3] == "broken":
+from fairseq_fp16_tools.bench import run_stats
+if sys.argv[2] == "broken":
     def broken(args):
         raise RuntimeError("no /proc here")
     run_stats.machine = broken
-sys.exit(run_stats.main([sys.argv[2], "fairseq-train", "--help"]))
+sys.exit(run_stats.main([sys.argv[1], "fairseq-train", "--help"]))
 """
 
 
 def _run(tmp_path, how):
     stats = tmp_path / "stats.json"
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(ROOT / "scripts"), str(stats), how],
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(stats), how],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(stats.read_text())
@@ -74,8 +71,7 @@ def _like_fairseq_train(cuda):
 
 
 def test_cuda_peak_survives_fairseqs_per_update_resets():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from run_stats import CudaPeak
+    from fairseq_fp16_tools.bench.run_stats import CudaPeak
 
     bare = FakeCuda()
     _like_fairseq_train(bare)

@@ -1,4 +1,4 @@
-"""The seed-paired equivalence test (scripts/report.py) and scripts/verdict.py, which pools comparisons."""
+"""The seed-paired equivalence test (fairseq_fp16_tools.stats) and scripts/verdict.py, which pools comparisons."""
 
 import json
 import math
@@ -10,8 +10,9 @@ import pytest
 
 from conftest import ROOT
 
-from report import paired_equivalence  # scripts/ is on sys.path (conftest)
-from verdict import pool, table, verdicts
+from fairseq_fp16_tools.stats import paired_equivalence
+from fairseq_fp16_tools.tables import verdict_table as table
+from fairseq_fp16_tools.verdict import pool, verdicts
 
 RESULTS = ROOT / "examples" / "translation" / "results"
 DEMO_EPYC = RESULTS / "demo" / "avx512-epyc" / "seeds1-4"  # make demo, seeds 1-4, AVX512-BF16 EPYC

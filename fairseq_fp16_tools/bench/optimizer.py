@@ -1,0 +1,135 @@
+"""The optimizer step against the memory-bandwidth limit.
+
+    python scripts/bench_optimizer.py [--params 1e6,1e7,1e8] [--device cpu|cuda] [--steps 10]
+
+For each size, in one process: the time of one mixed-precision step of
+``fp16_adam`` inside the plugin's wrapper (fp16 grads -> norm/overflow check ->
+fp32 master grads -> fused AdamW on fp32 masters -> fp16 copy back), of torch's
+fused ``AdamW`` on fp32 parameters, and of a plain memory copy; the bytes each
+step must move, the achieved GB/s and its ratio to the copy bandwidth; and the
+host syncs one wrapper step makes (counted with HostSyncCounter).
+
+Bytes per parameter: wrapper 44 (grad copy fp16 -> fp32 2+4; norm reads the
+fp32 grads 4; fused AdamW reads param/grad/m/v 16 and writes param/m/v 12;
+copy back 4+2); fused fp32 AdamW 28. The copy moves the wrapper's bytes (half
+read, half written) in fp32. Prints a table and, as its last line, one JSON object.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from fairseq_fp16.core.adam import build_adam
+from fairseq_fp16.core.host_sync import HostSyncCounter
+from fairseq_fp16.core.loss_scaler import LossScaler
+from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer
+
+CHUNK = 1 << 20  # parameters per tensor (a transformer has many mid-sized tensors)
+WRAPPER_BYTES_PER_PARAM = 44
+ADAMW_BYTES_PER_PARAM = 28
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, steps, device):
+    fn()  # warm-up (allocates state)
+    sync(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def tensors(n, dtype, device, fill=None):
+    sizes = [CHUNK] * (n // CHUNK) + ([n % CHUNK] if n % CHUNK else [])
+    out = []
+    for s in sizes:
+        t = torch.empty(s, dtype=dtype, device=device)
+        t.normal_() if fill is None else t.fill_(fill)
+        out.append(t)
+    return out
+
+
+def bench(n, device, steps):
+    # mixed precision: fp16 model params with fp16 grads
+    half = [torch.nn.Parameter(t) for t in tensors(n, torch.float16, device)]
+    grads = tensors(n, torch.float16, device, fill=1e-3)
+    scaler = LossScaler(1024.0, scale_window=10**9, device=device)
+    opt = MixedPrecisionOptimizer(half, lambda ps: build_adam(ps, lr=1e-4, weight_decay=0.01), scaler)
+
+    def mixed_step():
+        for p, g in zip(half, grads):
+            p.grad = g  # arrives from backward; not timed as optimizer work
+        opt.clip_grad_norm(1.0)
+        opt.step()
+
+    mixed_ms = timed(mixed_step, steps, device)
+    with HostSyncCounter() as counter:
+        mixed_step()
+    syncs = counter.count
+    fused = opt.fused_amp
+    del half, grads, opt
+
+    # fused fp32 AdamW
+    p32 = [torch.nn.Parameter(t) for t in tensors(n, torch.float32, device)]
+    g32 = tensors(n, torch.float32, device, fill=1e-3)
+    adamw = torch.optim.AdamW(p32, lr=1e-4, weight_decay=0.01, fused=True)
+
+    def adamw_step():
+        for p, g in zip(p32, g32):
+            p.grad = g
+        adamw.step()
+
+    adamw_ms = timed(adamw_step, steps, device)
+    del p32, g32, adamw
+
+    # memory copy: the wrapper's bytes as one read+write stream
+    src = torch.empty(n * WRAPPER_BYTES_PER_PARAM // 8, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = timed(lambda: dst.copy_(src), steps, device)
+    copy_gbps = 2 * src.numel() * 4 / copy_ms / 1e6
+    del src, dst
+
+    achieved = n * WRAPPER_BYTES_PER_PARAM / mixed_ms / 1e6
+    adamw_gbps = n * ADAMW_BYTES_PER_PARAM / adamw_ms / 1e6
+    return {
+        "params": n,
+        "step_ms": round(mixed_ms, 3),
+        "achieved_gbps": round(achieved, 2),
+        "copy_gbps": round(copy_gbps, 2),
+        "ratio_to_copy": round(achieved / copy_gbps, 3),
+        "host_syncs_per_step": syncs,
+        "fused_kernel": fused,
+        "fp32_fused_adamw_ms": round(adamw_ms, 3),
+        "fp32_fused_adamw_gbps": round(adamw_gbps, 2),
+        "fp32_adamw_ratio_to_copy": round(adamw_gbps / copy_gbps, 3),
+        "wrapper_over_adamw": round(mixed_ms / adamw_ms, 3),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", default="1e6,1e7,1e8", help="comma-separated sizes")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    rows = [bench(int(float(s)), device, a.steps) for s in a.params.split(",")]
+    print(f"{'params':>11} {'wrapper ms':>11} {'GB/s':>7} {'copy GB/s':>10} {'x copy':>7} "
+          f"{'syncs':>6} {'AdamW32 ms':>11} {'x copy':>7} {'wrapper/AdamW':>14}")
+    for r in rows:
+        print(f"{r['params']:>11,} {r['step_ms']:>11.2f} {r['achieved_gbps']:>7.2f} {r['copy_gbps']:>10.2f} "
+              f"{r['ratio_to_copy']:>7.2f} {r['host_syncs_per_step']:>6} {r['fp32_fused_adamw_ms']:>11.2f} "
+              f"{r['fp32_adamw_ratio_to_copy']:>7.2f} {r['wrapper_over_adamw']:>14.2f}")
+    print(json.dumps({"device": str(device), "torch": torch.__version__,
+                      "threads": torch.get_num_threads(), "results": rows}))
+

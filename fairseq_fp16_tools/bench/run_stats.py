@@ -1,0 +1,264 @@
+"""Run a fairseq CLI in this process and record its wall time and peak memory.
+
+    python scripts/run_stats.py [--profile-updates FIRST:COUNT PROFILE.json] STATS.json fairseq-train ARGS...
+
+Writes ``{"wall_s", "peak_rss_mb", "peak_cuda_mb", "exit_code", "machine"}`` to
+STATS.json when the command ends, whatever the outcome (``machine``: see
+:func:`machine`). Peak RSS is the process's
+high-water mark (``getrusage``), so it includes the interpreter and torch
+(a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak over the whole run
+(:class:`CudaPeak`). It imports nothing of fairseq before the CLI module, so the CLI sets up
+logging.
+
+With ``--profile-updates FIRST:COUNT PROFILE.json`` the updates FIRST to FIRST+COUNT-1
+(counting ``Trainer.train_step`` calls from 1) run under ``torch.profiler``, from the start of
+update FIRST to the start of the next one, and PROFILE.json gets their summary
+(:func:`bench.profile_summary.summarize_trace`: device busy and idle time, time by kernel class,
+launches and host syncs per update). The run needs at least FIRST+COUNT updates.
+"""
+
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from importlib import metadata
+
+CLIS = {
+    "fairseq-train": "fairseq_cli.train",
+    "fairseq-generate": "fairseq_cli.generate",
+}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(*dists: str):
+    for d in dists:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def machine(args) -> dict:
+    """What a run's speed and memory depend on, read in the process that ran it.
+
+    ``cpu``: the CPU's model name; ``cpu_cores``: the cores this process may use;
+    ``cpu_capability``: the instruction set torch picks its CPU kernels for (``AVX2``,
+    ``AVX512``, ...: fp32 results differ between them in the last bits);
+    ``cpu_native_bf16`` / ``cpu_native_fp16``: whether the CPU has arithmetic units for
+    them (what ``--half-matmul auto`` decides by); ``device``: ``cpu`` or the CUDA
+    device's name; versions of torch, fairseq and Python.
+    """
+    import torch
+
+    from fairseq_fp16.core.half_matmul import cpu_has_native_half
+
+    cuda = torch.cuda.is_available() and "--cpu" not in args
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": _cpu_name(),
+        "cpu_cores": cores,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
+        "cpu_native_fp16": cpu_has_native_half(torch.float16),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "fairseq": _version("fairseq-fixed", "fairseq"),
+        "python": platform.python_version(),
+    }
+
+
+class CudaPeak:
+    """The CUDA allocator's peak over a whole run.
+
+    fairseq's trainer calls ``torch.cuda.reset_peak_memory_stats()`` after every update (to log
+    ``gb_free``), so at the end of a run ``max_memory_allocated()`` holds only what was allocated
+    after the last update: about the model and optimizer state, not the peak of training. While
+    installed, each reset first keeps the peak it clears. ``cuda`` is ``torch.cuda`` (a stand-in
+    in the tests).
+    """
+
+    def __init__(self, cuda) -> None:
+        self.cuda = cuda
+        self._kept = 0
+        self._reset = cuda.reset_peak_memory_stats
+        cuda.reset_peak_memory_stats = self._reset_keeping_peak
+
+    def _reset_keeping_peak(self, device=None) -> None:
+        if self.cuda.is_initialized():
+            self._kept = max(self._kept, self.cuda.max_memory_allocated(device))
+        self._reset(device)
+
+    def peak_mb(self):
+        """Peak MB since installed, or None when CUDA was never used."""
+        if not (self.cuda.is_available() and self.cuda.is_initialized()):
+            return None
+        return max(self._kept, self.cuda.max_memory_allocated()) / 2**20
+
+
+class UpdateProfiler:
+    """``torch.profiler`` over updates ``first`` .. ``first + count - 1`` of a fairseq run.
+
+    :meth:`install` wraps the ``train_step`` of the trainer that ``fairseq_cli.train.train``
+    receives (the instance's, so the plugin's checks of fairseq's class see it unchanged): the
+    profiler starts as update ``first`` begins and stops as update ``first + count`` begins (or
+    at :meth:`finish`), with the device synchronized at both ends, so the window holds whole
+    updates with the loader and logging between them. The summary (with ``name``) is written
+    to ``out_path`` as JSON.
+    """
+
+    def __init__(self, first: int, count: int, out_path: str, name: str = "") -> None:
+        if first < 1 or count < 1:
+            raise ValueError(f"--profile-updates FIRST:COUNT needs FIRST >= 1 and COUNT >= 1, "
+                             f"got {first}:{count}")
+        self.first, self.count, self.out_path, self.name = first, count, out_path, name
+        self.calls = 0
+        self.step_ms = []
+        self._prof = None
+        self._start = None
+        self.summary = None
+
+    def install(self, train_module) -> None:
+        """Wrap ``train_module.train`` (``fairseq_cli.train``'s epoch loop)."""
+        train_epoch = train_module.train
+        profiler = self
+
+        def train(cfg, trainer, *args, **kwargs):
+            if "train_step" not in vars(trainer):
+                trainer.train_step = profiler.wrap(trainer.train_step)
+            return train_epoch(cfg, trainer, *args, **kwargs)
+
+        train_module.train = train
+
+    def wrap(self, step):
+        def train_step(*args, **kwargs):
+            self.calls += 1
+            if self.calls == self.first:
+                self._begin()
+            elif self.calls == self.first + self.count:
+                self.finish()
+            start = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                if self._prof is not None:
+                    self.step_ms.append((time.perf_counter() - start) * 1000.0)
+
+        return train_step
+
+    @staticmethod
+    def _sync() -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def _begin(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            activities.append(ProfilerActivity.CUDA)
+        self._sync()
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._start = time.perf_counter()
+
+    def finish(self) -> None:
+        """Stop the profiler (if running) and write the summary of the updates it saw."""
+        if self._prof is None:
+            return
+        import tempfile
+
+        from .profile_summary import summarize_trace
+
+        self._sync()
+        window_ms = (time.perf_counter() - self._start) * 1000.0
+        prof, self._prof = self._prof, None
+        try:  # a broken profile must not fail the run it measured
+            prof.__exit__(None, None, None)
+            with tempfile.TemporaryDirectory() as tmp:
+                trace_path = os.path.join(tmp, "trace.json")
+                prof.export_chrome_trace(trace_path)
+                with open(trace_path) as f:
+                    trace = json.load(f)
+            summary = summarize_trace(trace, len(self.step_ms), window_ms, self.step_ms)
+        except Exception as e:
+            summary = {"error": repr(e)}
+        self.summary = {"name": self.name, "first_update": self.first, **summary}
+        with open(self.out_path, "w") as f:
+            json.dump(self.summary, f)
+
+
+def _parse_profile_flag(argv):
+    """(UpdateProfiler or None, remaining argv) from a leading ``--profile-updates F:N PATH``."""
+    if not argv or argv[0] != "--profile-updates":
+        return None, argv
+    try:
+        first, count = (int(x) for x in argv[1].split(":"))
+        path = argv[2]
+    except (IndexError, ValueError):
+        raise SystemExit("--profile-updates takes FIRST:COUNT and a PROFILE.json path, e.g. "
+                         "--profile-updates 31:3 profile.json") from None
+    return UpdateProfiler(first, count, path, name=os.path.splitext(os.path.basename(path))[0]), argv[3:]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    profiler, argv = _parse_profile_flag(argv)
+    if len(argv) < 2 or argv[1] not in CLIS:
+        print("usage: python scripts/run_stats.py [--profile-updates FIRST:COUNT PROFILE.json] "
+              f"STATS.json {{{','.join(CLIS)}}} ARGS...", file=sys.stderr)
+        return 2
+    stats_path, tool, args = argv[0], argv[1], argv[2:]
+    import importlib
+
+    import torch
+
+    cuda_peak = CudaPeak(torch.cuda)
+    module = importlib.import_module(CLIS[tool])
+    if profiler is not None:
+        if tool != "fairseq-train":
+            raise SystemExit("--profile-updates: only fairseq-train runs updates")
+        profiler.install(module)
+    sys.argv = [tool, *args]
+    start = time.perf_counter()
+    code = 0
+    try:
+        module.cli_main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        if profiler is not None:
+            profiler.finish()
+        stats = {
+            "wall_s": time.perf_counter() - start,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            "peak_cuda_mb": cuda_peak.peak_mb(),
+            "exit_code": code,
+        }
+        try:
+            stats["machine"] = machine(args)
+        except Exception as e:  # the timings still get written, and the run's own error raised
+            stats["machine"] = None
+            stats["machine_error"] = repr(e)
+        with open(stats_path, "w") as f:
+            json.dump(stats, f)
+    return code
+

@@ -1,0 +1,528 @@
+"""Render the docs' results tables from the committed JSON files.
+
+    python scripts/render_docs.py            # rewrite every table in the docs from its data
+    python scripts/render_docs.py --check    # exit 1, naming each table that differs from its data
+
+In a doc (README.md, docs/*.md, examples/translation/*.md) a table sits between two markers:
+
+    <!-- table: NAME -->
+    ...
+    <!-- /table -->
+
+Everything between them is generated: a one-line italic note naming the JSON file(s) and the
+command that reproduces the data, then the markdown table. :data:`TABLES` maps each NAME to
+its files and its render function (a ``.jsonl`` file loads as a list of records); the
+functions read numbers from the JSON only, so a number in a doc changes when its data changes
+and nowhere else. ``--check`` (run by the test suite) also refuses an unknown NAME, a marker
+left open, and a table whose data is missing.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .paths import ROOT
+from .tables import md_table
+
+#: the docs that may hold tables (globs under the repository root)
+DOCS = ("README.md", "docs/*.md", "docs/*/*.md", "examples/translation/*.md")
+OPEN = re.compile(r"^<!-- table: (?P<name>[^ ]*) -->$")
+CLOSE = "<!-- /table -->"
+
+RESULTS = "examples/translation/results"
+BENCH = "benchmarks"
+DEMO = "python scripts/demo.py"
+#: the machines' names in tables, by folder name
+MACHINES = {"avx512-epyc": "AVX512-BF16 EPYC", "amx-xeon": "AMX Xeon", "avx2-epyc": "AVX2 EPYC",
+            "h200": "H200"}
+#: report.py's verdict keys, shortened for tables ({m}: the margin)
+VERDICTS = {
+    "equivalent": "**within ±{m}**",
+    "not_worse": "not more than {m} below (within ±{m} not shown)",
+    "not_better": "not more than {m} above (within ±{m} not shown)",
+    "worse": "more than {m} below",
+    "better": "more than {m} above",
+    "inconclusive": "inconclusive",
+}
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+def num(x: Optional[float], digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def ratio(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def signed(x: float) -> str:
+    return f"{x:+.2f}"
+
+
+def thousands(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def p_value(p: Optional[float]) -> str:
+    return "-" if p is None else f"{p:.3f}"
+
+
+def mean_range(values: Sequence[float]) -> str:
+    """``1.80x (1.36-2.35)``: the mean and range of a list of ratios."""
+    return f"{statistics.fmean(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+def verdict(eq: dict) -> str:
+    m = f"{eq['margin']:g}"
+    return VERDICTS[eq["verdict"]].format(m=m)
+
+
+def machine_of(path: str) -> str:
+    """The machine named by a results or benchmarks path (``.../demo/amx-xeon/...``)."""
+    for part in Path(path).parts:
+        if part in MACHINES:
+            return MACHINES[part]
+    raise ValueError(f"no machine folder in {path}")
+
+
+# -- render functions: (loaded JSON of each source, the source paths) -> markdown table -----------
+
+def verdict_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """The seed-paired test per machine and precision (scripts/verdict.py's JSON)."""
+    rows = []
+    for v, path in zip(data, paths):
+        for mode, r in v["precisions"].items():
+            eq = r.get("equivalence")
+            if eq is None:
+                continue
+            rows.append([machine_of(path), mode, eq["n"],
+                         f"{statistics.fmean(r['bleu']):.2f} ({statistics.fmean(r['fp32_bleu']):.2f})",
+                         f"{signed(eq['mean'])} ({signed(eq['ci90'][0])} to {signed(eq['ci90'][1])})",
+                         p_value(eq["p_equivalence"]), p_value(eq["p_difference"]), verdict(eq),
+                         mean_range(r["x_updates_per_s"]), mean_range(r["x_peak_mem"])])
+    return md_table(["machine", "precision", "seed pairs", "mean BLEU (fp32's)", "mean d BLEU (90% CI)",
+                     "p, gap >= margin", "p, gap = 0", "verdict", "x fp32 updates/s", "x fp32 peak RSS"], rows)
+
+
+def seed_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """Each seed's BLEU, fp32 beside each mixed precision (one verdict.json)."""
+    (v,) = data
+    precisions = list(v["precisions"])
+    by_seed: Dict[int, Dict[str, float]] = {}
+    for mode, r in v["precisions"].items():
+        for seed, bleu, base in zip(r["seeds"], r["bleu"], r["fp32_bleu"]):
+            by_seed.setdefault(seed, {})["fp32"] = base
+            by_seed[seed][mode] = bleu
+    rows = []
+    for seed in sorted(by_seed):
+        b = by_seed[seed]
+        rows.append([seed, num(b["fp32"])] + [
+            f"{num(b[m])} ({signed(b[m] - b['fp32'])})" if m in b else "-" for m in precisions])
+    return md_table(["seed", "fp32 BLEU"] + [f"{m} BLEU (d)" for m in precisions], rows)
+
+
+def seed1_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """The seed-1 runs of each machine's comparison (compare.py's result.json, fp32 first):
+    what ``make demo`` reproduces on that machine, and how long each run took."""
+    rows = []
+    base = None
+    for r, path in zip(data, paths):
+        if r["mode"] == "fp32":
+            base = r
+        g, last, t = r["generate"], r.get("generate_last"), r["train"]
+        minutes = (t["wall_s"] + g["wall_s"] + (last["wall_s"] if last else 0)) / 60
+        rows.append([machine_of(path), r["mode"], num(g["bleu"]), num(last["bleu"]) if last else "-", num(g["chrf"]),
+                     thousands(t["words_per_s"]), ratio(t["words_per_s"] / base["train"]["words_per_s"]),
+                     thousands(t["peak_rss_mb"]), ratio(t["peak_rss_mb"] / base["train"]["peak_rss_mb"]),
+                     f"{minutes:.1f}"])
+    return md_table(["machine", "mode", "BLEU", "BLEU, last checkpoint", "chrF", "words/s", "x fp32",
+                     "peak RSS MB", "x fp32", "minutes"], rows)
+
+
+def toy_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    (s,) = data
+    runs = s.get("runs", s)
+    base = runs["fp32"]
+    rows = [[mode, num(r["bleu"]), p_value(r["p_vs_fp32"]), thousands(r["words_per_s"]),
+             ratio(r["words_per_s"] / base["words_per_s"]), thousands(r["peak_rss_mb"])]
+            for mode, r in runs.items()]
+    return md_table(["mode", "BLEU", "p vs fp32", "words/s", "x fp32", "peak RSS MB"], rows)
+
+
+def decode_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/decode_precision.py: each checkpoint decoded in the other precisions."""
+    (d,) = data
+    rows = []
+    for mode, e in d["runs"].items():
+        for dec in e["decodes"]:
+            weights = "fp32 masters" if dec["weights"] == "masters" else "checkpoint"
+            rows.append([mode, num(e["as_trained"]["bleu"]), f"{dec['decoded_in']}, {weights}",
+                         num(dec["bleu"]), signed(dec["d_bleu"]), f"{dec['same_hypotheses']} of {dec['n_sentences']}"])
+    return md_table(["trained in", "BLEU as trained", "decoded in", "BLEU", "d BLEU", "same hypotheses"], rows)
+
+
+def headline_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """Per machine: each half precision's speed and memory against fp32 and its BLEU verdict.
+    CPU rows: the demo's seed-paired test (verdict.json); GPU rows: bench_fairseq_train.py."""
+    rows = []
+    for d, path in zip(data, paths):
+        if "precisions" in d:  # a demo verdict
+            for mode, r in d["precisions"].items():
+                eq = r.get("equivalence")
+                rows.append([f"{machine_of(path)} (CPU)", mode, ratio(statistics.fmean(r["x_updates_per_s"])),
+                             ratio(statistics.fmean(r["x_peak_mem"])),
+                             f"{verdict(eq)}, {eq['n']} seeds" if eq else "-"])
+        else:  # a GPU benchmark
+            ms, mem = d["words_per_s"], d["peak_mb"]
+            for mode in ("tf32", "fp16", "bf16"):
+                if mode in ms:
+                    rows.append([f"{machine_of(path)} (GPU)", mode, ratio(ms[mode] / ms["fp32"]),
+                                 ratio(mem[mode] / mem["fp32"]), "not measured"])
+    return md_table(["machine", "precision", "speed, x fp32", "peak memory, x fp32", "BLEU against fp32"], rows)
+
+
+def train_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """One scripts/bench_fairseq_train.py run: ms/update, words/s and peak memory per mode."""
+    (d,) = data
+    ms, wps, mem = d["ms_per_update"], d["words_per_s"], d.get("peak_mb", {})
+    base = "fp32" if "fp32" in ms else next(iter(ms))
+    rows = [[mode, num(ms[mode], 1), ratio(ms[mode] / ms[base]), thousands(wps.get(mode)),
+             thousands(mem.get(mode)), ratio(mem[mode] / mem[base]) if mode in mem and base in mem else "-"]
+            for mode in ms]
+    return md_table(["mode", "ms/update", f"x {base}", "words/s", "peak MB", f"x {base}"], rows)
+
+
+def train_side_by_side(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """Several bench_fairseq_train.py runs of the same modes, one column group per run
+    (labelled by its --max-tokens)."""
+    modes = list(data[0]["ms_per_update"])
+    header = ["mode"]
+    for d in data:
+        tokens = re.search(r"--max-tokens (\d+)", d["model"]).group(1)
+        header += [f"ms/update, {tokens} tokens", "x fp32", "peak MB", "x fp32"]
+    rows = []
+    for mode in modes:
+        row = [mode]
+        for d in data:
+            ms, mem = d["ms_per_update"], d["peak_mb"]
+            row += [num(ms[mode], 1), ratio(ms[mode] / ms["fp32"]), thousands(mem[mode]),
+                    ratio(mem[mode] / mem["fp32"])]
+        rows.append(row)
+    return md_table(header, rows)
+
+
+def before_after_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    before, after = (d["peak_mb"] for d in data)
+    rows = [[mode, thousands(before[mode]), thousands(after[mode]), f"{after[mode] - before[mode]:+,.0f}",
+             ratio(after[mode] / after["fp32"])] for mode in after]
+    return md_table(["mode", "peak RSS MB, before", "after", "change", "x fp32, after"], rows)
+
+
+def gpu_precision_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """The H200 run per precision, with ratios to fp32 and to TF32."""
+    (d,) = data
+    ms, wps, mem = d["ms_per_update"], d["words_per_s"], d["peak_mb"]
+    order = [m for m in ("fp32", "tf32", "fp16", "bf16", "fp16-stock") if m in ms]
+    rows = [[mode, num(ms[mode], 1), thousands(wps[mode]), ratio(wps[mode] / wps["fp32"]),
+             ratio(wps[mode] / wps["tf32"]), thousands(mem[mode]), ratio(mem[mode] / mem["fp32"]),
+             ratio(mem[mode] / mem["tf32"])] for mode in order]
+    return md_table(["mode", "ms/update", "words/s", "x fp32", "x TF32", "peak CUDA MB", "x fp32", "x TF32"], rows)
+
+
+PROFILE_CLASSES = ("matmul", "attention", "softmax/norm", "elementwise/other", "copies", "optimizer")
+
+
+def profile_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/profile_summary.py's records, per batch size and mode (ms per update)."""
+    (d,) = data
+    rows = []
+    for tokens, runs in d.items():
+        for mode, r in runs.items():
+            rows.append([f"{int(tokens):,}", mode, num(r["wall_ms"], 1), num(r["gpu_busy_ms"], 1),
+                         f"{r['gpu_idle_frac']:.0%}", num(r["host_ms"], 1), thousands(r["launches"])]
+                        + [num(r["kernel_ms"][k], 1) for k in PROFILE_CLASSES])
+    return md_table(["tokens", "mode", "wall", "GPU busy", "GPU idle", "host", "launches"]
+                    + list(PROFILE_CLASSES), rows)
+
+
+def gpu_batch_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """The modes run at both batch sizes: speed, memory and the profile's GPU share at each."""
+    *runs, profiles = data
+    rows = []
+    for mode in runs[-1]["ms_per_update"]:
+        for d in runs:
+            tokens = re.search(r"--max-tokens (\d+)", d["model"]).group(1)
+            prof = profiles.get(tokens, {}).get(mode)
+            rows.append([f"{int(tokens):,}", mode, num(d["ms_per_update"][mode], 1), thousands(d["words_per_s"][mode]),
+                         thousands(d["peak_mb"][mode]), num(prof["gpu_busy_ms"], 1) if prof else "-",
+                         f"{prof['gpu_idle_frac']:.0%}" if prof else "-"])
+    return md_table(["tokens", "mode", "ms/update", "words/s", "peak CUDA MB", "GPU busy ms (profile)",
+                     "GPU idle (profile)"], rows)
+
+
+def gpu_ab_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """The H200 A/B run: each mode's speed and memory, and its profile's idle GPU share."""
+    train, profiles = data
+    ms, wps, mem = train["ms_per_update"], train["words_per_s"], train["peak_mb"]
+    prof = next(iter(profiles.values()))
+    rows = [[mode, num(ms[mode], 1), thousands(wps[mode]), ratio(wps[mode] / wps["fp32"]), thousands(mem[mode]),
+             f"{prof[mode]['gpu_idle_frac']:.0%}" if mode in prof else "-",
+             thousands(prof[mode]["launches"]) if mode in prof else "-"]
+            for mode in ms]
+    return md_table(["mode", "ms/update", "words/s", "x fp32", "peak CUDA MB", "GPU idle (profile)",
+                     "launches/update"], rows)
+
+
+def optimizer_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bench_optimizer.py on each machine."""
+    rows = []
+    for d, path in zip(data, paths):
+        for r in d["results"]:
+            rows.append([machine_of(path), f"{r['params']:,}", num(r["step_ms"]), num(r["achieved_gbps"], 1),
+                         num(r["copy_gbps"], 1), num(r["ratio_to_copy"]), r["host_syncs_per_step"],
+                         num(r["fp32_fused_adamw_ms"]), ratio(r["wrapper_over_adamw"])])
+    return md_table(["machine", "params", "step ms", "GB/s", "copy GB/s", "x copy", "host syncs",
+                     "fused fp32 AdamW ms", "step / AdamW"], rows)
+
+
+def half_matmul_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bench_half_matmul.py: each variant's step time against fp32, one column per model
+    and machine."""
+    variants: List[str] = []
+    for d in data:
+        variants += [v for v in d["ms_per_step"] if v not in variants]
+    header = ["variant"] + [f"{d['model'].split()[1]}, {machine_of(p)}" for d, p in zip(data, paths)]
+    rows = [["fp32 ms/step"] + [num(d["ms_per_step"]["fp32"], 1) for d in data]]
+    rows += [[v] + [ratio(d["ratio_to_fp32"].get(v)) for d in data] for v in variants if v != "fp32"]
+    return md_table(header, rows)
+
+
+def divergence_rows(data: Sequence[list], paths: Sequence[str]) -> str:
+    """--precision-divergence files: per measurement, the modules' relative errors against fp32
+    (modules whose output is exact left out of the median)."""
+    rows = []
+    for records in data:
+        for r in records:
+            errors = {m: e for m, e in r["modules"].items() if e > 0}
+            worst = max(errors, key=errors.get)
+            rows.append([{"float16": "fp16", "bfloat16": "bf16"}.get(r["dtype"], r["dtype"]), r["update"],
+                         len(r["modules"]), f"{statistics.median(errors.values()):.1e}",
+                         f"`{worst}` {errors[worst]:.1e}"])
+    return md_table(["precision", "update", "modules", "median relative error", "largest"], rows)
+
+
+def scale_trace_rows(data: Sequence[list], paths: Sequence[str]) -> str:
+    """A --scale-trace file, summarised: the scale's course and the parameters overflows named."""
+    (trace,) = data
+    scales = [r["loss_scale"] for r in trace]
+    skipped = [r for r in trace if r["skipped"]]
+    first_ok = next(i for i, r in enumerate(trace) if not r["skipped"])
+    named: Dict[str, int] = {}
+    for r in skipped:
+        for p in r.get("overflow_params", []):
+            named[p["param"]] = named.get(p["param"], 0) + 1
+    top = sorted(named.items(), key=lambda kv: -kv[1])[:3]
+    rows = [["updates attempted", len(trace)],
+            ["skipped for overflow", f"{len(skipped)} ({first_ok} before the first update that was kept)"],
+            ["loss scale: first, lowest, last", f"{scales[0]:g}, {min(scales):g}, {scales[-1]:g}"],
+            ["parameters named most often by overflows", ", ".join(f"`{p}` ({n})" for p, n in top)]]
+    return md_table(["scale trace", ""], rows)
+
+
+def machine_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    (d,) = data
+    rows = [[f"`{name}`", m["hardware"], m["half_units"], m["half_matmul_auto"], m["software"]]
+            for name, m in d.items()]
+    return md_table(["folder", "machine", "half-precision units", "`--half-matmul auto`, padding", "software"],
+                    rows)
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Table:
+    sources: Tuple[str, ...]  # JSON files, relative to the repository root
+    command: Optional[str]  # what reproduces the data; None: the file is written by hand
+    render: Callable[[Sequence[dict], Sequence[str]], str]
+
+
+def _demo_verdicts(*machines: str) -> Tuple[str, ...]:
+    return tuple(f"{RESULTS}/demo/{m}/verdict.json" for m in machines)
+
+
+BENCH_DEMO_MODEL = "bench_fairseq_train.py data/debian-ende/bin-max40 --model \"<the demo's model>\""
+TABLES: Dict[str, Table] = {
+    "headline": Table(
+        _demo_verdicts("avx512-epyc", "amx-xeon", "avx2-epyc") + (f"{BENCH}/h200/precisions/train_16384.json",),
+        f"{DEMO} --seed N ... and scripts/verdict.py (CPUs); scripts/gpu/session.sh (GPU)", headline_rows),
+    "demo-verdicts": Table(_demo_verdicts("avx512-epyc", "amx-xeon", "avx2-epyc"),
+                           f"{DEMO} --modes ...@seedN, then scripts/verdict.py OUT... --json", verdict_rows),
+    "demo-seed1": Table(tuple(f"{RESULTS}/demo/{m}/seeds1-4/{mode}/result.json"
+                              for m in ("avx512-epyc", "amx-xeon", "avx2-epyc") for mode in ("fp32", "fp16", "bf16")),
+                        f"make demo (AMX, AVX2: {DEMO} --average-last 0)", seed1_rows),
+    "demo-seeds": Table(_demo_verdicts("avx512-epyc"), "scripts/verdict.py on the four comparisons", seed_rows),
+    "long-verdicts": Table((f"{RESULTS}/long/avx512-epyc/verdict.json",),
+                           "the longer recipe's demo.py command, then scripts/verdict.py", verdict_rows),
+    "long-decode-precision": Table((f"{RESULTS}/long/avx512-epyc/seed1/decode_precision.json",),
+                                   "python scripts/decode_precision.py OUT", decode_rows),
+    "toy": Table((f"{RESULTS}/toy/summary.json",), f"{DEMO} --corpus toy", toy_rows),
+    "divergence": Table(tuple(f"docs/diagnostics/divergence_{p}.jsonl" for p in ("fp16", "bf16")),
+                        "the fairseq-train loop in docs/diagnostics.md", divergence_rows),
+    "scale-trace": Table(("docs/diagnostics/trace.jsonl",), "the fairseq-train command in docs/diagnostics.md",
+                         scale_trace_rows),
+    "machines": Table((f"{BENCH}/machines.json",), None, machine_rows),
+    "h200-precisions": Table((f"{BENCH}/h200/precisions/train_16384.json",), "bash scripts/gpu/session.sh OUT",
+                             gpu_precision_rows),
+    "h200-profiles": Table((f"{BENCH}/h200/precisions/profiles.json",), "bash scripts/gpu/session.sh OUT",
+                           profile_rows),
+    "h200-batch-sizes": Table(tuple(f"{BENCH}/h200/precisions/{n}.json"
+                                    for n in ("train_16384", "train_32768", "profiles")),
+                              "bash scripts/gpu/session.sh OUT", gpu_batch_rows),
+    "h200-ab": Table((f"{BENCH}/h200/ab-16k/train_16384.json", f"{BENCH}/h200/ab-16k/profiles.json"),
+                     "bash scripts/gpu/session.sh OUT (MODES_A: the A/B modes)", gpu_ab_rows),
+    "optimizer": Table(tuple(f"{BENCH}/{m}/optimizer.json" for m in ("avx512-epyc", "avx2-epyc", "amx-xeon"))
+                       + (f"{BENCH}/h200/ab-16k/optimizer.json",),
+                       "python scripts/bench_optimizer.py --params 1e6,1e7,1e8 [--device cuda]", optimizer_rows),
+    "avx2-train": Table((f"{BENCH}/avx2-epyc/fairseq_train.json",),
+                        "python scripts/bench_fairseq_train.py --modes fp32,fp16,bf16 --repeats 3", train_rows),
+    "half-matmul": Table(tuple(f"{BENCH}/avx2-epyc/half_matmul_{m}.json" for m in ("fairseq", "fconv", "lstm"))
+                         + (f"{BENCH}/amx-xeon/half_matmul_fairseq.json",),
+                         "python scripts/bench_half_matmul.py --fairseq|--fconv|--lstm ...", half_matmul_rows),
+    "length-multiple-amx": Table((f"{BENCH}/amx-xeon/length_multiple.json",),
+                                 f"python scripts/{BENCH_DEMO_MODEL} --updates 600 --repeats 2", train_rows),
+    "length-multiple-epyc": Table((f"{BENCH}/avx512-epyc/length_multiple.json",),
+                                  f"python scripts/{BENCH_DEMO_MODEL} --updates 300 --repeats 2", train_rows),
+    "kernel-cache-epyc": Table((f"{BENCH}/avx512-epyc/kernel_cache.json",),
+                               f"python scripts/{BENCH_DEMO_MODEL} --updates 1000", train_rows),
+    "fused-loss": Table(tuple(f"{BENCH}/avx2-epyc/fairseq_train_fused_loss_{n}.json" for n in (1024, 4096)),
+                        f"python scripts/{BENCH_DEMO_MODEL} --modes fp32,fp32-fused,fp16,fp16-unfused,...",
+                        train_side_by_side),
+    "master-grads": Table(tuple(f"{BENCH}/avx512-epyc/master-grads/{n}.json" for n in ("before", "after")),
+                          "python scripts/bench_fairseq_train.py data/debian-ende/bin --modes fp32,fp16,bf16 "
+                          "--updates 10 (before and after the change)", before_after_rows),
+}
+
+
+# -- rendering and checking -----------------------------------------------------------------------
+
+def render_table(name: str, root: Path, tables: Dict[str, Table]) -> str:
+    """The generated block of table ``name``: the source note and the markdown table.
+
+    Raises:
+        KeyError: ``name`` is not in ``tables``.
+        FileNotFoundError: one of its data files is missing.
+    """
+    table = tables[name]
+    data = []
+    for src in table.sources:
+        path = root / src
+        if not path.is_file():
+            raise FileNotFoundError(f"table '{name}': its data {src} is missing")
+        text = path.read_text()
+        # a .jsonl file (one JSON record a line, as the diagnostics write) loads as a list of records
+        data.append([json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl"
+                    else json.loads(text))
+    files = ", ".join(f"`{s}`" for s in table.sources)
+    common = os.path.commonpath(table.sources) if len(table.sources) > 3 else ""
+    if common and common not in table.sources:  # many files in one folder: name it once
+        files = f"`{common}/`: " + ", ".join(f"`{Path(s).relative_to(common).as_posix()}`" for s in table.sources)
+    data_note = f"data: `{table.command}`" if table.command else "written by hand"
+    note = f"*Generated by `scripts/render_docs.py` from {files}; {data_note}.*"
+    return f"{note}\n\n{table.render(data, table.sources)}"
+
+
+def render_doc(text: str, root: Path, tables: Dict[str, Table], where: str = "") -> Tuple[str, List[str]]:
+    """``text`` with every table block regenerated, and the problems found (unknown names,
+    open markers, missing data) as ``where:LINE: ...`` messages."""
+    lines = text.split("\n")
+    out: List[str] = []
+    problems: List[str] = []
+    i = 0
+    while i < len(lines):
+        m = OPEN.match(lines[i])
+        out.append(lines[i])
+        i += 1
+        if not m:
+            continue
+        name, start = m.group("name"), i
+        try:
+            end = lines.index(CLOSE, i)
+        except ValueError:
+            problems.append(f"{where}:{start}: table '{name}' has no closing {CLOSE}")
+            out += lines[i:]
+            break
+        nested = [j for j in range(i, end) if OPEN.match(lines[j])]
+        if nested:
+            problems.append(f"{where}:{start}: table '{name}' has no closing {CLOSE} before the next table "
+                            f"(line {nested[0] + 1})")
+        if name not in tables:
+            problems.append(f"{where}:{start}: unknown table '{name}'; known: {', '.join(sorted(tables))}")
+            out += lines[i:end]
+        else:
+            try:
+                out += ["", render_table(name, root, tables), ""]
+            except FileNotFoundError as e:
+                problems.append(f"{where}:{start}: {e}")
+                out += lines[i:end]
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+                problems.append(f"{where}:{start}: table '{name}' cannot be rendered from its data: "
+                                f"{type(e).__name__}: {e}")
+                out += lines[i:end]
+        out.append(CLOSE)
+        i = end + 1
+    return "\n".join(out), problems
+
+
+def docs(root: Path) -> List[Path]:
+    found = {p for pattern in DOCS for p in root.glob(pattern)}
+    return sorted(found)
+
+
+def main(argv=None, root: Path = ROOT, tables: Dict[str, Table] = TABLES) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="change nothing; exit 1 naming each doc and table that differs from its data")
+    ap.add_argument("--root", type=Path, default=root, help="the repository (default: this checkout)")
+    a = ap.parse_args(argv)
+    problems: List[str] = []
+    stale: List[str] = []
+    for path in docs(a.root):
+        rel = path.relative_to(a.root).as_posix()
+        text = path.read_text()
+        new, found = render_doc(text, a.root, tables, rel)
+        problems += found
+        if new == text:
+            continue
+        if a.check:
+            old_blocks, new_blocks = _blocks(text), _blocks(new)
+            for name in sorted(set(old_blocks) | set(new_blocks)):
+                if old_blocks.get(name) != new_blocks.get(name):
+                    stale.append(f"{rel}: table '{name}' differs from its data")
+        else:
+            path.write_text(new)
+            print(f"rewrote {rel}")
+    for p in problems + stale:
+        print(p, file=sys.stderr)
+    if stale:
+        print("python scripts/render_docs.py rewrites the tables from their data", file=sys.stderr)
+    return 1 if problems or stale else 0
+
+
+def _blocks(text: str) -> Dict[str, str]:
+    """``{name: block}`` of a doc's tables (a repeated name keeps its blocks joined)."""
+    blocks: Dict[str, str] = {}
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        m = OPEN.match(line)
+        if m:
+            end = lines.index(CLOSE, i) if CLOSE in lines[i:] else len(lines)
+            blocks[m.group("name")] = blocks.get(m.group("name"), "") + "\n".join(lines[i + 1:end])
+    return blocks
+
