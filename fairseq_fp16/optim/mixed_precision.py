@@ -39,6 +39,8 @@ from ..core.diagnostics import (
 )
 from ..core.loss_scaler import LossScaler
 from ..core.master_weights import MixedPrecisionOptimizer
+from ..core.param_names import param_name
+from .stock_state import import_stock_state, stock_loss_scale
 from ..precision import NAMES, Precision
 
 logger = logging.getLogger(__name__)
@@ -209,9 +211,15 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         return state
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
-        """Load a state from any precision, or a bare torch optimizer state."""
+        """Load a state from any precision, a bare torch optimizer state, or a stock fairseq
+        optimizer's (:mod:`fairseq_fp16.optim.stock_state`)."""
         if "precision" not in state_dict:  # a plain optimizer state
             state_dict = {"precision": "fp32", "optimizer": state_dict}
+        if state_dict["precision"] == "stock":
+            state_dict = self.strategy.from_stock(state_dict)
+            logger.info("fairseq_fp16: resumed from stock fairseq's %s state: Adam moments and "
+                        "steps%s carried over", state_dict.pop("stock"),
+                        "".join(f", {k}" for k in state_dict.pop("carried")))
         self.num_skipped = int(state_dict.get("num_skipped", 0))
         self.consecutive_overflows = int(state_dict.get("consecutive_overflows", 0))
         self.strategy.load_state_dict(state_dict, optimizer_overrides)
@@ -252,6 +260,12 @@ class _Passthrough:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.inner.state_dict()}
+
+    def from_stock(self, state_dict) -> Dict[str, Any]:
+        params = self.owner._params
+        torch_state = import_stock_state(state_dict["stock"], state_dict["stock_state"],
+                                         self.inner.optimizer, params, params)
+        return {"precision": "fp32", "optimizer": torch_state, "stock": state_dict["stock"], "carried": []}
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         self.inner.load_state_dict(state_dict["optimizer"], optimizer_overrides)
@@ -424,6 +438,26 @@ class _MasterWeights:
         state = self.core.state_dict()
         state["consecutive_overflows"] = self.owner.consecutive_overflows
         return state
+
+    def from_stock(self, state_dict) -> Dict[str, Any]:
+        core, stock = self.core, state_dict["stock"]
+        torch_state = import_stock_state(stock, state_dict["stock_state"], core.optimizer,
+                                         core.master_params, core.model_params)
+        carried, scaler = [], None
+        scale = stock_loss_scale(state_dict["stock_state"])
+        if scale is not None and self.loss_scaler.dynamic:
+            scaler = dict(self.loss_scaler.state_dict(), scale=scale, prev_scale=scale)
+            carried.append(f"loss scale {scale:g}")
+        weights = state_dict.get("fp32_weights") or {}
+        masters, names = {}, {}
+        for i, (p, _) in zip(core._half_index, core._half_pairs):
+            name = param_name(p)
+            if name in weights:
+                masters[i], names[i] = weights[name], name
+        if masters:
+            carried.append("fp32 weights as masters")
+        return {"precision": self.precision.name, "optimizer": torch_state, "scaler": scaler,
+                "master_params": masters, "master_names": names, "stock": stock, "carried": carried}
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         saved = dict(state_dict)

@@ -12,7 +12,9 @@ import shutil
 from fairseq.file_io import PathManager
 
 from .. import safe_load
+from ..optim.stock_state import mark_stock_state
 from .registry import Patch
+from .trainer import plugin_optimizer_applies
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,16 @@ def _raised_reading(err: BaseException) -> bool:
 
 
 def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+    state = _read_checkpoint(path, arg_overrides, load_on_all_ranks)
+    if _RESUMING and plugin_optimizer_applies(_RESUMING[-1].cfg):
+        stock = mark_stock_state(state)
+        if stock:
+            logger.info("fairseq_fp16: %s was written by stock fairseq (%s): its optimizer state "
+                        "is read into the plugin's optimizer", path, stock)
+    return state
+
+
+def _read_checkpoint(path, arg_overrides=None, load_on_all_ranks=False):
     try:
         return _original(LOAD)(path, arg_overrides, load_on_all_ranks)
     except Exception as e:
@@ -135,7 +147,20 @@ def intact_alternatives(path: str):
     return [os.path.join(folder, f) for f in names]
 
 
+#: the trainers loading a checkpoint to resume (their checkpoint's optimizer state is read
+#: into the plugin's optimizer wrapper)
+_RESUMING: list = []
+
+
 def _load_checkpoint(self, filename, *args, **kwargs):
+    _RESUMING.append(self)
+    try:
+        return _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs)
+    finally:
+        _RESUMING.pop()
+
+
+def _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs):
     original = _original(TRAINER_LOAD)
     try:
         return original(self, filename, *args, **kwargs)
@@ -174,7 +199,9 @@ PATCHES = [
           expects=["state = checkpoint_utils.load_checkpoint_to_cpu("],
           why="a truncated or corrupt checkpoint_last.pt (a kill while stock fairseq copied it) "
               "stops every resume; the run resumes from the newest intact checkpoint beside it "
-              "with a warning naming both files, the damaged one kept as .damaged"),
+              "with a warning naming both files, the damaged one kept as .damaged; and a stock "
+              "fairseq checkpoint's optimizer state (FairseqAdam, FP16Optimizer) is read into the "
+              "plugin's optimizer instead of refused as 'Optimizer does not match'"),
     Patch(LOAD, group="repair", replacement=_load_checkpoint_to_cpu,
           expects=['torch.load(f, map_location=torch.device("cpu"))'],
           why="train resume and fairseq-generate load checkpoints here; torch's errors for a "
