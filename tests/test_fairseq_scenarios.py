@@ -80,3 +80,19 @@ def test_bf16_dynamic_scaling_has_a_ceiling():
     cfg.task = {"loss_scale": "0"}
     opt = MixedPrecisionFairseqOptimizer(cfg, list(torch.nn.Linear(2, 2).bfloat16().parameters()), "bf16")
     assert opt.loss_scaler.dynamic and opt.loss_scaler.max_scale == 2.0**24
+
+
+def test_the_scale_traces_update_count_continues_after_a_resume(tmp_path):
+    cfg = fairseq_test_config("adam")
+    cfg.task = {"scale_trace": str(tmp_path / "trace.jsonl")}
+    cfg.checkpoint = {"save_dir": str(tmp_path)}
+    model = torch.nn.Linear(2, 2).half()
+    opt = MixedPrecisionFairseqOptimizer(cfg, list(model.parameters()), "fp16")
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(model(torch.ones(2).half()).float().sum())
+        opt.clip_grad_norm(0)
+        opt.step()
+    resumed = MixedPrecisionFairseqOptimizer(cfg, list(model.parameters()), "fp16")
+    resumed.load_state_dict(opt.state_dict())
+    assert resumed.diagnostics.attempt == opt.diagnostics.attempt == 3
