@@ -169,3 +169,15 @@ def test_the_whole_encoder_in_fp32_trains(toy_data, tmp_path):
     proc, recs = train(toy_data, tmp_path, "--fp16", "--fp32-modules", "^encoder$", "--max-update", "3")
     assert "fp32 modules (--fp32-modules): encoder" in proc.stdout + proc.stderr
     assert [r["num_updates"] for r in recs] == [1, 2, 3] and all(r["skipped"] == 0 for r in recs)
+
+
+def test_ema_fp32_averages_the_fp32_masters(toy_data, tmp_path):
+    # with decay 0 the EMA is the latest weights: in a half run, the masters, not their rounding
+    train(toy_data, tmp_path, "--fp16", "--store-ema", "--ema-fp32", "--ema-decay", "0", "--max-update", "3")
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=False)
+    opt = state["last_optimizer_state"]
+    ema = state["extra_state"]["ema_fp32_params"]
+    for i, name in opt["master_names"].items():
+        master = opt["master_params"][i]
+        assert torch.equal(ema[name], master), name
+    assert any(not torch.equal(m.half().float(), m) for m in opt["master_params"].values())

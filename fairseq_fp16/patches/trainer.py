@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import weakref
 from itertools import chain
 
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 
 from .. import run_info
-from ..core.master_weights import tag_param_names
+from ..core.param_names import param_name, tag_param_names
 from ..optim.mixed_precision import MixedPrecisionFairseqOptimizer
 from ..precision import Precision
 from .registry import Patch
@@ -24,6 +25,7 @@ BUILD_OPTIMIZER = "fairseq.trainer:Trainer._build_optimizer"
 TRAIN_STEP = "fairseq.trainer:Trainer.train_step"
 STATE_DICT = "fairseq.trainer:Trainer.state_dict"
 BEGIN_EPOCH = "fairseq.trainer:Trainer.begin_epoch"
+EMA_STEP = "fairseq.models.ema.ema:EMA.step"
 
 
 def _original(target):
@@ -82,9 +84,32 @@ def _build_optimizer(self):
     self._optimizer = MixedPrecisionFairseqOptimizer(
         self.cfg, [p for _, p in named], Precision.from_cfg(self.cfg)
     )
+    _OPTIMIZERS[id(self.get_model())] = self._optimizer
     self._optimizer.watch_forward(self._model)
     self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler, self.optimizer)
     self._lr_scheduler.step_update(0)
+
+
+#: the plugin's optimizer of each trainer's model (by id): --ema-fp32 reads its masters
+_OPTIMIZERS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+class _MastersView:
+    """What the EMA reads of the model: its state dict with each half weight's fp32 master."""
+
+    def __init__(self, model, masters) -> None:
+        self._model, self._masters = model, masters
+
+    def state_dict(self):
+        return {k: self._masters.get(k, v) for k, v in self._model.state_dict().items()}
+
+
+def _ema_step(self, new_model, updates=None):
+    optimizer = _OPTIMIZERS.get(id(new_model))
+    if self.config.ema_fp32 and optimizer is not None and optimizer.core is not None:
+        masters = {param_name(p): m for p, m in optimizer.core._half_pairs}
+        new_model = _MastersView(new_model, masters)
+    return _original(EMA_STEP)(self, new_model, updates)
 
 
 def _begin_epoch(self, epoch):
@@ -145,6 +170,10 @@ PATCHES = [
           expects=["self.lr_step_begin_epoch(epoch)"],
           why="a per-epoch --update-freq changes the default loss-scale window with the epoch "
               "(fairseq computes it once, from the first entry)"),
+    Patch(EMA_STEP, group="precision", replacement=_ema_step,
+          expects=["self._step_internal(new_model, updates)"],
+          why="--ema-fp32 averages the model's state dict, which in a half run holds the rounded "
+              "half weights; the EMA reads each half weight's fp32 master instead"),
     Patch(STATE_DICT, group="precision", expects=['"optimizer_name": self.optimizer.__class__.__name__'],
           why="checkpoints record the optimizer's class name; the wrapper keeps one class for "
               "every precision so that runs resume across precisions"),
