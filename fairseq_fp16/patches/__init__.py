@@ -22,11 +22,10 @@ adds ``argparse.Namespace`` to torch's weights-only allow-list (:mod:`fairseq_fp
 from __future__ import annotations
 
 from . import checkpoints, distributed, options, prefetch, run, tasks, trainer
-from .registry import GROUPS, Patch, Registry
+from .registry import GROUPS, REGISTRY, Patch
 
 __all__ = ["GROUPS", "REGISTRY", "Patch", "describe", "install", "is_installed", "uninstall"]
 
-REGISTRY = Registry()
 for _module in (trainer, checkpoints, distributed, options, prefetch, run, tasks):
     for _patch in _module.PATCHES:
         REGISTRY.add(_patch)

@@ -14,6 +14,7 @@ from fairseq.file_io import PathManager
 from .. import safe_load
 from ..optim.stock_state import mark_stock_state
 from .registry import Patch
+from .registry import original as _original
 from .trainer import plugin_optimizer_applies
 
 logger = logging.getLogger(__name__)
@@ -26,11 +27,6 @@ COPY = "fairseq.checkpoint_utils:PathManager"
 SAVE = "fairseq.checkpoint_utils:save_checkpoint"
 LOAD = "fairseq.checkpoint_utils:load_checkpoint_to_cpu"
 
-
-def _original(target):
-    from . import REGISTRY
-
-    return REGISTRY.original(target)
 
 
 def atomic_copy(src: str, dst: str) -> None:

@@ -14,14 +14,10 @@ from omegaconf import open_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from .registry import Patch
+from .registry import original as _original
 
 logger = logging.getLogger(__name__)
 
-
-def _original(target):
-    from . import REGISTRY
-
-    return REGISTRY.original(target)
 
 
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")

@@ -6,14 +6,10 @@ import sys
 
 from ..precision import EXCLUSIVE
 from .registry import Patch
+from .registry import original as _original
 
 PARSE = "fairseq.options:parse_args_and_arch"
 
-
-def _original(target):
-    from . import REGISTRY
-
-    return REGISTRY.original(target)
 
 
 EXCLUSIVE_FLAGS = ("--fp16", "--bf16")

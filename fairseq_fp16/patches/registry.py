@@ -8,7 +8,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["GROUPS", "Patch", "Registry"]
+__all__ = ["GROUPS", "REGISTRY", "Patch", "Registry", "original"]
 
 #: repair: fairseq 0.12 failing or misbehaving on today's torch, Python or a CPU;
 #: precision: what the plugin's mixed-precision features need from fairseq.
@@ -167,3 +167,12 @@ class Registry:
         return [{"target": p.target, "group": p.group,
                  "kind": "replaced" if p.replacement is not None else "relied on", "why": p.why}
                 for p in self.patches]
+
+
+#: The plugin's patches (filled by :mod:`fairseq_fp16.patches`).
+REGISTRY = Registry()
+
+
+def original(target: str) -> Any:
+    """What ``target`` was before the plugin's patches (the replacements call it)."""
+    return REGISTRY.original(target)

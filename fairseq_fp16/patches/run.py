@@ -4,15 +4,13 @@ command's ``main`` hands over its ``common`` config."""
 from __future__ import annotations
 
 from ..precision import Precision, set_current
-from .registry import Patch
+from .registry import Patch, original
 
 IMPORT_USER_MODULE = "fairseq.utils:import_user_module"
 
 
 def _import_user_module(args):
-    from . import REGISTRY
-
-    result = REGISTRY.original(IMPORT_USER_MODULE)(args)
+    result = original(IMPORT_USER_MODULE)(args)
     if hasattr(args, "fp16") and hasattr(args, "bf16"):  # a run's common config (or its args)
         set_current(Precision.from_cfg(args))
     return result

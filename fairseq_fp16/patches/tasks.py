@@ -42,21 +42,17 @@ from ..core.ngram_block import NGramBlock
 from .. import run_info
 from ..precision import Precision, current
 from .registry import Patch
+from .registry import original as _original
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ATTENTION_PATHS", "PATCHES", "avoid_cudnn_attention", "resolve_attention_path",
-           "task_precision"]
+           "task_precision", "task_state"]
 
 BASE = "fairseq.tasks.fairseq_task:FairseqTask"
 LEGACY = "fairseq.tasks.fairseq_task:LegacyFairseqTask"
 ATTENTION_PATHS = ("auto", "torch", "fairseq")
 
-
-def _original(target):
-    from . import REGISTRY
-
-    return REGISTRY.original(target)
 
 
 def _flag(task, name, default):
@@ -131,7 +127,8 @@ class _TaskState:
                         half_matmul=half_matmul, native_half_products=None)
 
 
-def _state(task) -> _TaskState:
+def task_state(task) -> _TaskState:
+    """The precision features' state of ``task``, made on first use."""
     state = task.__dict__.get("_fairseq_fp16_state")
     if state is None:
         state = task.__dict__["_fairseq_fp16_state"] = _TaskState(task)
@@ -141,7 +138,7 @@ def _state(task) -> _TaskState:
 # ------------------------------------------------------------------------------ build_model
 def prepare_model(task, model):
     """Names, fp32 islands, attention path and compiled layers for ``model`` (idempotent)."""
-    state = _state(task)
+    state = task_state(task)
     precision = state.precision
     tag_param_names(model.named_parameters())
     regex = _flag(task, "fp32_modules", None)
@@ -192,7 +189,7 @@ def _build_criterion_of(target):
         criterion = _original(target)(self, cfg, *args, **kwargs)
         mode = str(_flag(self, "fused_loss", "auto"))
         run_info.record(fused_loss=False)
-        if mode == "off" or (mode == "auto" and not _state(self).precision.is_half):
+        if mode == "off" or (mode == "auto" and not task_state(self).precision.is_half):
             return criterion
         fused = fused_criterion_class(criterion)
         if fused is None:
@@ -267,7 +264,7 @@ def _measure_divergence(task, state, sample, model, optimizer, update_num) -> No
 
 
 def _train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
-    state = _state(self)
+    state = task_state(self)
     with half_matmul_context(state.fp32_accumulate):
         if _divergence_due(self, state, sample, optimizer, update_num, ignore_grad):
             _measure_divergence(self, state, sample, model, optimizer, update_num)
@@ -277,18 +274,18 @@ def _train_step(self, sample, model, criterion, optimizer, update_num, ignore_gr
 
 
 def _valid_step(self, *args, **kwargs):
-    with half_matmul_context(_state(self).fp32_accumulate):
+    with half_matmul_context(task_state(self).fp32_accumulate):
         return _original(f"{BASE}.valid_step")(self, *args, **kwargs)
 
 
 def _inference_step(self, *args, **kwargs):
-    state = _state(self)
+    state = task_state(self)
     with half_matmul_context(state.fp32_accumulate), _native_products_check(state, "generation step"):
         return _original(f"{BASE}.inference_step")(self, *args, **kwargs)
 
 
 def _build_generator(self, models, args, *rest, **kwargs):
-    if _state(self).precision.name == "bf16":
+    if task_state(self).precision.name == "bf16":
         for model in models:
             model.to(torch.bfloat16)  # fp32 islands stay fp32
     generator = _original(f"{BASE}.build_generator")(self, models, args, *rest, **kwargs)

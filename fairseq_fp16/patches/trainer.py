@@ -17,6 +17,7 @@ from ..core.param_names import param_name, tag_param_names
 from ..optim.mixed_precision import MixedPrecisionFairseqOptimizer
 from ..precision import Precision
 from .registry import Patch
+from .registry import original as _original
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +28,6 @@ STATE_DICT = "fairseq.trainer:Trainer.state_dict"
 BEGIN_EPOCH = "fairseq.trainer:Trainer.begin_epoch"
 EMA_STEP = "fairseq.models.ema.ema:EMA.step"
 
-
-def _original(target):
-    from . import REGISTRY
-
-    return REGISTRY.original(target)
 
 
 def _tpu_requested() -> bool:

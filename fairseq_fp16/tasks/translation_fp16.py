@@ -40,10 +40,10 @@ from ..core.cpu_kernel_cache import (
     resolve_kernel_cache,
     resolve_length_multiple,
 )
-from ..core.half_matmul import HALF_MATMUL_CHOICES, resolve_half_matmul
+from ..core.half_matmul import HALF_MATMUL_CHOICES
 from ..core.loss_scaler import parse_loss_scale
 from ..fused_criterion import FUSED_LOSS_CHOICES
-from ..patches.tasks import ATTENTION_PATHS, SEED_POSITION, resolve_attention_path, task_precision
+from ..patches.tasks import ATTENTION_PATHS, SEED_POSITION, resolve_attention_path, task_state
 from ..precision import EXCLUSIVE
 from .. import run_info
 
@@ -236,10 +236,9 @@ class TranslationFP16Task(TranslationTask):
     def __init__(self, cfg: TranslationFP16Config, src_dict, tgt_dict):
         validate_precision_flags(cfg)
         super().__init__(cfg, src_dict, tgt_dict)
-        precision = task_precision(self)
-        if precision.is_half and precision.on_cpu and not resolve_half_matmul(
-                str(cfg.half_matmul), precision.dtype):
-            self._bucket_cpu_shapes(precision.dtype)
+        state = task_state(self)  # the precision features' decision, made once
+        if state.precision.is_half and state.precision.on_cpu and not state.fp32_accumulate:
+            self._bucket_cpu_shapes(state.precision.dtype)
 
     def _bucket_cpu_shapes(self, dtype: torch.dtype) -> None:
         """Native CPU half products: pad batch lengths (``--cpu-length-multiple``) and
