@@ -445,7 +445,8 @@ def _gru_cell(func, args, kwargs):
     x, (h,), w_ih, w_hh, b_ih, b_hh, dtype = cell
     (xr, xi, xn), (hr, hi, hn) = _cell_gates(x, h, w_ih, w_hh, 3)
     if b_ih is None:
-        r, z, n = (xr + hr).sigmoid(), (xi + hi).sigmoid(), xn + r * hn
+        r, z = (xr + hr).sigmoid(), (xi + hi).sigmoid()
+        n = xn + r * hn
     else:
         (b1r, b1i, b1n), (b2r, b2i, b2n) = b_ih.float().chunk(3), b_hh.float().chunk(3)
         r, z = (xr + hr + b1r + b2r).sigmoid(), (xi + hi + b1i + b2i).sigmoid()

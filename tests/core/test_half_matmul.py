@@ -411,8 +411,9 @@ def fused_cuda_cell(kind, x, h, c, w_ih, w_hh, b_ih, b_hh):
     products in half (fp32-accumulated, no bias), then everything in fp32, outputs to half."""
     gi = torch.mm(x.float(), w_ih.float().t()).to(x.dtype).float()
     gh = torch.mm(h.float(), w_hh.float().t()).to(x.dtype).float()
-    b1, b2 = b_ih.float(), b_hh.float()
     n = 4 if kind == "LSTM" else 3
+    zero = torch.zeros(n * h.size(1))  # a cell without biases adds none (adding 0 is exact)
+    b1, b2 = (zero if b is None else b.float() for b in (b_ih, b_hh))
     pre = [gi[:, k * gi.size(1) // n:(k + 1) * gi.size(1) // n] for k in range(n)]
     hid = [gh[:, k * gh.size(1) // n:(k + 1) * gh.size(1) // n] for k in range(n)]
     bb1, bb2 = b1.view(n, -1), b2.view(n, -1)
@@ -429,11 +430,12 @@ def fused_cuda_cell(kind, x, h, c, w_ih, w_hh, b_ih, b_hh):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
-def test_lstm_and_gru_cells_compute_like_the_fused_cuda_cells(dtype, kind):
+@pytest.mark.parametrize("bias", [True, False])
+def test_lstm_and_gru_cells_compute_like_the_fused_cuda_cells(dtype, kind, bias):
     """nn.LSTMCell/GRUCell in half under the function mode (fairseq's LSTM decoder steps an
     LSTMCell) equal the CUDA kernels' arithmetic bit for bit, forward; their gradients are
     those of that arithmetic (autograd through it), close to fp32's."""
-    cell = getattr(torch.nn, f"{kind}Cell")(8, 16).to(dtype)
+    cell = getattr(torch.nn, f"{kind}Cell")(8, 16, bias=bias).to(dtype)
     x = rand(3, 8, dtype=dtype).requires_grad_()
     h0 = rand(3, 16, dtype=dtype, seed=1)
     c0 = rand(3, 16, dtype=dtype, seed=2)
