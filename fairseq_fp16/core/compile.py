@@ -8,6 +8,19 @@ launches, which is what bounds a half-precision update on a fast GPU.
 Only the training forward is compiled: a call in eval mode, or with an ``incremental_state``
 (fairseq's step-by-step decoding), runs the module's own forward, so generation and
 validation behave exactly as without compilation.
+
+The compiled forward gets its tensor arguments contiguous. Compiled code is specialised on its
+inputs' strides, and a transformer's layers see different ones: the first encoder layer gets
+the embeddings transposed to time-major (a view whose strides depend on the batch's length),
+the decoder its cached causal mask cut to the batch's length, the later layers contiguous
+tensors. Every new stride pattern recompiles, and after ``torch._dynamo``'s recompile limit (8)
+the layer silently runs eagerly for the rest of the run. A contiguous copy of those few
+tensors costs a kernel each; one compiled graph then serves every batch shape.
+
+What still takes separate graphs is the layers' Python control flow: a fairseq decoder's last
+layer returns attention weights (``need_attn``), and padding masks come as tensors or None,
+which gives a decoder layer up to eight variants, torch's default limit. The limit is raised
+to :data:`RECOMPILE_LIMIT` so that none of them falls back to eager.
 """
 
 from __future__ import annotations
@@ -20,6 +33,8 @@ import torch
 __all__ = ["compile_training_forward", "is_compiled"]
 
 _MARK = "_fairseq_fp16_compiled"
+#: graphs a compiled forward may have (``torch._dynamo.config.recompile_limit``; torch's is 8)
+RECOMPILE_LIMIT = 32
 
 
 def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool = True,
@@ -31,6 +46,10 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
     first recompile; ``backend`` is ``torch.compile``'s. Idempotent. Returns how many modules
     were wrapped.
     """
+    import torch._dynamo
+
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     count = 0
     for module in modules:
         if is_compiled(module):
@@ -41,13 +60,18 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
         @functools.wraps(eager)
         def forward(*args, _eager=eager, _compiled=compiled, _module=module, **kwargs):
             if _module.training and kwargs.get("incremental_state") is None:
-                return _compiled(*args, **kwargs)
+                return _compiled(*[_contiguous(a) for a in args],
+                                 **{k: _contiguous(v) for k, v in kwargs.items()})
             return _eager(*args, **kwargs)
 
         module.forward = forward
         setattr(module, _MARK, True)
         count += 1
     return count
+
+
+def _contiguous(x):
+    return x.contiguous() if isinstance(x, torch.Tensor) else x
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

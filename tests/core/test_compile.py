@@ -12,8 +12,9 @@ class Layer(torch.nn.Module):
         self.proj = torch.nn.Linear(8, 8)
         self.norm = torch.nn.LayerNorm(8)
 
-    def forward(self, x, incremental_state=None):
-        return self.norm(x + torch.relu(self.proj(x)))
+    def forward(self, x, incremental_state=None, variant=""):
+        out = self.norm(x + torch.relu(self.proj(x)))
+        return out * len(variant) if variant else out  # a graph per variant
 
 
 def counting_backend():
@@ -60,3 +61,32 @@ def test_wrapping_twice_is_a_no_op_and_gradients_reach_the_parameters():
     assert compile_training_forward([layer], backend=backend) == 0
     layer(torch.randn(3, 2, 8)).sum().backward()
     assert layer.proj.weight.grad is not None and layer.proj.weight.grad.abs().sum() > 0
+
+
+def test_one_graph_serves_transposed_and_contiguous_inputs_of_any_length():
+    """A transformer's first layer gets a transposed view, the others contiguous tensors, and the
+    decoder a causal mask cut from a cached one: each stride pattern would be a new graph, and
+    past torch's recompile limit the layer would silently run eagerly."""
+    layer, backend_graphs = Layer(), counting_backend()
+    backend, graphs = backend_graphs
+    compile_training_forward([layer], backend=backend)
+    cached_mask = torch.zeros(64, 64)
+    for batch, length in [(3, 5), (2, 9), (4, 7), (5, 11)]:
+        embedded = torch.randn(batch, length, 8, requires_grad=True)  # as embeddings are
+        x = embedded.transpose(0, 1)  # time-major view: strides follow the length
+        out = layer(x)
+        layer(out)  # the next layer: contiguous
+        layer(cached_mask[:length, :8].expand(batch, length, 8).transpose(0, 1).requires_grad_())
+    assert len(graphs) == 1
+
+
+def test_more_variants_than_torchs_default_limit_stay_compiled():
+    """A fairseq decoder layer has up to eight variants (attention weights asked for or not,
+    padding masks or None); past torch's limit of 8 a forward would fall back to eager."""
+    layer = Layer()
+    backend, graphs = counting_backend()
+    compile_training_forward([layer], backend=backend)
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    for variant in range(12):
+        layer(x, variant="v" * variant)
+    assert len(graphs) == 12
