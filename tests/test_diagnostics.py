@@ -81,8 +81,18 @@ def test_non_finite_watch_names_the_first_module_only_while_armed():
     watch.arm()
     with HostSyncCounter() as c:
         model(torch.ones(2, 4))
-    assert watch.first == {"module": "1.0", "type": "Linear", "dtype": "float32", "kind": "nan", "shape": [2, 4]}
-    assert c.count >= 2  # the checks sync, but only while armed
+    assert c.count == 0  # armed, the checks queue reductions and wait for nothing
+    with HostSyncCounter() as c:
+        assert watch.first == {"module": "1.0", "type": "Linear", "dtype": "float32", "kind": "nan",
+                               "shape": [2, 4]}
+    assert c.count == 1  # one sync looks through every module's record
+    with torch.no_grad():
+        model[1][0].weight.fill_(1.0)
+        model[1][0].bias.fill_(float("-inf"))
+    watch.arm()
+    for _ in range(3):  # a record per module output per forward, looked through in order
+        model(torch.ones(2, 4))
+    assert watch.first["kind"] == "inf" and watch.first["module"] == "1.0"
     watch.disarm()
     assert watch.first is None
     watch.remove()

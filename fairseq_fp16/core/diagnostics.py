@@ -162,9 +162,11 @@ class NonFiniteWatch:
     """Names the first module whose forward output is not finite.
 
     Forward hooks on every submodule of ``model``. Disarmed (the default) a
-    hook returns at once; armed, each hook checks its module's floating-point
-    outputs (one host sync per module) until the first non-finite one, which
-    is recorded in :attr:`first` as ``{"module", "type", "dtype", "kind",
+    hook returns at once; armed, each hook takes the largest magnitude of each
+    of its module's floating-point outputs (one reduction kernel, no host sync:
+    NaN if the output has a NaN, inf if it has an inf), and the first read of
+    :attr:`first` looks through them with one host sync for the first
+    non-finite one, recorded as ``{"module", "type", "dtype", "kind",
     "shape"}``. Hooks fire when a module's forward returns, so inner modules
     are seen before the blocks that contain them.
 
@@ -172,9 +174,13 @@ class NonFiniteWatch:
     it after a finite one; :meth:`remove` takes the hooks off.
     """
 
+    #: records kept before they are looked through (one sync) to bound their memory
+    MAX_PENDING = 4096
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.armed = False
-        self.first: Dict | None = None
+        self._first: Dict | None = None
+        self._pending: List[tuple] = []  # (max magnitude, module name, type, dtype, shape)
         self._handles = [
             module.register_forward_hook(self._hook(name, module))
             for name, module in model.named_modules()
@@ -183,30 +189,50 @@ class NonFiniteWatch:
 
     def _hook(self, name: str, module: torch.nn.Module):
         def hook(_module, _inputs, output):
-            if not self.armed or self.first is not None:
+            if not self.armed or self._first is not None:
                 return
             for t in _float_tensors(output):
-                bad = ~torch.isfinite(t.detach())
-                if bool(bad.any()):  # host sync, only while armed
-                    self.first = {
-                        "module": name,
-                        "type": type(module).__name__,
-                        "dtype": str(t.dtype).replace("torch.", ""),
-                        "kind": "nan" if bool(torch.isnan(t.detach()).any()) else "inf",
-                        "shape": list(t.shape),
-                    }
-                    return
+                if t.numel():
+                    peak = torch.linalg.vector_norm(t.detach(), float("inf"))
+                    self._pending.append((peak, name, type(module).__name__, t.dtype, list(t.shape)))
+            if len(self._pending) >= self.MAX_PENDING:
+                self._resolve()
 
         return hook
+
+    def _resolve(self) -> None:
+        """Find the first non-finite record among the pending ones (one host sync)."""
+        pending, self._pending = self._pending, []
+        if self._first is not None or not pending:
+            return
+        peaks = torch.stack([p[0].float() for p in pending]).cpu()  # the sync
+        for (_, name, kind, dtype, shape), peak in zip(pending, peaks.tolist()):
+            if not math.isfinite(peak):
+                self._first = {
+                    "module": name,
+                    "type": kind,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "kind": "nan" if math.isnan(peak) else "inf",
+                    "shape": shape,
+                }
+                return
+
+    @property
+    def first(self) -> Dict | None:
+        """The first non-finite module output seen since :meth:`arm`, or None."""
+        self._resolve()
+        return self._first
 
     def arm(self) -> None:
         """Check the next forward passes; forget the previous finding."""
         self.armed = True
-        self.first = None
+        self._first = None
+        self._pending = []
 
     def disarm(self) -> None:
         self.armed = False
-        self.first = None
+        self._first = None
+        self._pending = []
 
     def remove(self) -> None:
         for h in self._handles:
