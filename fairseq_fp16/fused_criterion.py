@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FUSED_LOSS_CHOICES", "fused_criterion_class", "plain_log_softmax"]
 
-FUSED_LOSS_CHOICES = ("auto", "on", "off")
+#: auto/on/off, or on with the path forced (core.fused_loss.PATHS; on picks the device's)
+FUSED_LOSS_CHOICES = ("auto", "on", "off", "stream", "cache")
 
 # get_normalized_probs implementations that end in the decoder's plain log-softmax
 _MODEL_METHODS = {BaseFairseqModel.get_normalized_probs, TransformerModelBase.get_normalized_probs}
@@ -62,6 +63,8 @@ class _FusedLoss:
     """``compute_loss`` from the logits; fairseq's where that would change the result."""
 
     _warned = False
+    #: ``stream`` / ``cache`` (``--fused-loss``), or None: the logits' device decides
+    fused_loss_path = None
 
     def compute_loss(self, model, net_output, sample, reduce=True):
         if not reduce or not plain_log_softmax(model):
@@ -76,7 +79,8 @@ class _FusedLoss:
         logits, target = self._logits_and_target(model, net_output, sample)
         loss, nll_loss = label_smoothed_nll_from_logits(
             logits.reshape(-1, logits.size(-1)), target.reshape(-1),
-            float(getattr(self, "eps", 0.0)), ignore_index=self.padding_idx)
+            float(getattr(self, "eps", 0.0)), ignore_index=self.padding_idx,
+            path=self.fused_loss_path)
         return loss, nll_loss
 
     def _logits_and_target(self, model, net_output, sample):

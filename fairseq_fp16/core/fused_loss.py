@@ -17,6 +17,18 @@ the same idea in torch operations:
   forms the gradient in closed form and rounds it to the logits' dtype once, as the
   stock path does at its last cast.
 
+Two ways through the chunks, one per kind of device (``path``):
+
+* ``cache`` (the CPU's): chunks small enough to stay in a core's L2 cache, worked on in
+  place in fp32 (upcast, log-sum-exp, subtract, exponentiate, scale), so each pass costs
+  cache bandwidth, not memory bandwidth;
+* ``stream`` (CUDA's): a few large chunks through as few passes over memory as torch's
+  kernels allow: the forward pass is ``log_softmax(chunk, dtype=float32)`` (one kernel that
+  reads the half logits, on CUDA) with a gather and a row sum; the backward pass is
+  ``softmax(chunk, dtype=float32)`` and one ``addcmul`` that writes the half gradient, the
+  target entries set from the gathered probabilities. About 30 bytes move per logit where
+  the ``cache`` steps would move about 90 (``tests/core/test_fused_loss.py`` counts them).
+
 The numbers are fairseq's ``label_smoothed_nll_loss`` (``epsilon = 0``: the plain
 negative log-likelihood of ``cross_entropy``): the same fp32 arithmetic on the same
 upcast values, up to the order of fp32 additions.
@@ -26,7 +38,9 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["label_smoothed_nll_from_logits", "chunk_rows"]
+__all__ = ["PATHS", "label_smoothed_nll_from_logits", "chunk_rows", "default_path"]
+
+PATHS = ("cache", "stream")
 
 # fp32 elements upcast at a time: a chunk that stays in a CPU core's L2 cache; on a
 # GPU, few chunks: each costs about 16 kernel launches (forward and backward), and a
@@ -36,14 +50,42 @@ CPU_CHUNK_ELEMENTS = 1 << 19
 CUDA_CHUNK_ELEMENTS = 1 << 27
 
 
-def chunk_rows(vocab_size: int, device: torch.device) -> int:
+def default_path(device: torch.device) -> str:
+    """``stream`` on CUDA, ``cache`` elsewhere."""
+    return "stream" if device.type == "cuda" else "cache"
+
+
+def chunk_rows(vocab_size: int, device: torch.device, path: str = None) -> int:
     """Rows of logits upcast to fp32 at a time."""
-    elements = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CPU_CHUNK_ELEMENTS
+    path = path or default_path(device)
+    elements = CUDA_CHUNK_ELEMENTS if path == "stream" else CPU_CHUNK_ELEMENTS
     return max(1, elements // max(1, vocab_size))
 
 
-class _LabelSmoothedNLLFromLogits(torch.autograd.Function):
-    """(loss, nll) summed over the rows not equal to ``ignore_index``, both fp32."""
+def _loss_from_rows(nll, smooth, target, epsilon, ignore_index, vocab):
+    """(loss, nll, kept-row mask or None): the sums over the kept rows, from the per-row NLL
+    and negated log-probability sums."""
+    keep = target.ne(ignore_index) if ignore_index is not None else None
+    if keep is not None:
+        nll.masked_fill_(~keep, 0.0)
+        smooth.masked_fill_(~keep, 0.0)
+    nll_sum, smooth_sum = nll.sum(), smooth.sum()
+    eps_i = epsilon / (vocab - 1)
+    return (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum, nll_sum, keep
+
+
+def _row_weights(ctx, grad_loss, grad_nll, vocab):
+    """(w_t, w_s, coef_p): a row's gradient is ``coef_p * p - w_s - w_t * onehot(target)``
+    with ``p = softmax(x)``: d/dx of ``w_t * nll + w_s * smooth``."""
+    eps_i = ctx.epsilon / (vocab - 1)
+    w_t = grad_loss.float() * (1.0 - ctx.epsilon - eps_i) + grad_nll.float()
+    w_s = grad_loss.float() * eps_i
+    return w_t, w_s, w_t + w_s * vocab
+
+
+class _CacheChunks(torch.autograd.Function):
+    """(loss, nll) summed over the rows not equal to ``ignore_index``, both fp32; the
+    ``cache`` path."""
 
     @staticmethod
     def forward(ctx, logits, target, epsilon, ignore_index, rows):
@@ -61,13 +103,7 @@ class _LabelSmoothedNLLFromLogits(torch.autograd.Function):
             picked = lprobs.gather(-1, target[start:start + rows, None]).squeeze(-1)
             nll[start:start + rows] = picked.neg_()
             smooth[start:start + rows] = lprobs.sum(-1).neg_()
-        keep = target.ne(ignore_index) if ignore_index is not None else None
-        if keep is not None:
-            nll.masked_fill_(~keep, 0.0)
-            smooth.masked_fill_(~keep, 0.0)
-        nll_sum, smooth_sum = nll.sum(), smooth.sum()
-        eps_i = epsilon / (vocab - 1)
-        loss = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
+        loss, nll_sum, keep = _loss_from_rows(nll, smooth, target, epsilon, ignore_index, vocab)
         ctx.save_for_backward(logits, target, lse, keep)
         ctx.epsilon, ctx.rows = epsilon, rows
         return loss, nll_sum
@@ -76,12 +112,7 @@ class _LabelSmoothedNLLFromLogits(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_nll):
         logits, target, lse, keep = ctx.saved_tensors
         n, vocab = logits.shape
-        eps_i = ctx.epsilon / (vocab - 1)
-        # d/dx of a row's (w_t * nll + w_s * smooth), with p = softmax(x):
-        #   w_t * (p - onehot(t)) + w_s * (vocab * p - 1)
-        w_t = grad_loss.float() * (1.0 - ctx.epsilon - eps_i) + grad_nll.float()
-        w_s = grad_loss.float() * eps_i
-        coef_p = w_t + w_s * vocab
+        w_t, w_s, coef_p = _row_weights(ctx, grad_loss, grad_nll, vocab)
         grad = torch.empty_like(logits)
         for start in range(0, n, ctx.rows):
             chunk = logits[start:start + ctx.rows]
@@ -96,12 +127,59 @@ class _LabelSmoothedNLLFromLogits(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _StreamChunks(torch.autograd.Function):
+    """As :class:`_CacheChunks`, the ``stream`` path."""
+
+    @staticmethod
+    def forward(ctx, logits, target, epsilon, ignore_index, rows):
+        n, vocab = logits.shape
+        nll = logits.new_empty(n, 1, dtype=torch.float32)
+        smooth = logits.new_empty(n, dtype=torch.float32)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            lprobs = torch.log_softmax(logits[start:stop], -1, dtype=torch.float32)
+            torch.gather(lprobs, -1, target[start:stop, None], out=nll[start:stop])
+            torch.sum(lprobs, -1, out=smooth[start:stop])
+        nll, smooth = nll.view(n).neg_(), smooth.neg_()
+        loss, nll_sum, keep = _loss_from_rows(nll, smooth, target, epsilon, ignore_index, vocab)
+        ctx.save_for_backward(logits, target, keep)
+        ctx.epsilon, ctx.rows = epsilon, rows
+        return loss, nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        logits, target, keep = ctx.saved_tensors
+        n, vocab = logits.shape
+        w_t, w_s, coef_p = _row_weights(ctx, grad_loss, grad_nll, vocab)
+        # per row (padding rows weigh nothing): grad = coef * p - w_s, target entry - w_t
+        coef, neg_w_s, neg_w_st = coef_p.view(1, 1), -w_s.view(1, 1), -(w_s + w_t).view(1, 1)
+        if keep is not None:
+            kept = keep[:, None].float()
+            coef, neg_w_s, neg_w_st = coef * kept, neg_w_s * kept, neg_w_st * kept
+        grad = torch.empty_like(logits)
+        at_target = logits.new_empty(n, 1)
+        for start in range(0, n, ctx.rows):
+            stop = min(n, start + ctx.rows)
+            rows = slice(start, stop) if keep is not None else slice(None)
+            p = torch.softmax(logits[start:stop], -1, dtype=torch.float32)
+            t = target[start:stop, None]
+            # each entry rounded to the logits' dtype once
+            torch.addcmul(neg_w_st[rows], p.gather(-1, t), coef[rows], out=at_target[start:stop])
+            torch.addcmul(neg_w_s[rows], p, coef[rows], out=grad[start:stop])
+            grad[start:stop].scatter_(-1, t, at_target[start:stop])
+        return grad, None, None, None, None
+
+
+_FUNCTIONS = {"cache": _CacheChunks, "stream": _StreamChunks}
+
+
 def label_smoothed_nll_from_logits(
     logits: torch.Tensor,
     target: torch.Tensor,
     epsilon: float,
     ignore_index: Optional[int] = None,
     rows: Optional[int] = None,
+    path: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """fairseq's ``label_smoothed_nll_loss(log_softmax(logits), ...)`` with ``reduce=True``.
 
@@ -111,13 +189,15 @@ def label_smoothed_nll_from_logits(
         epsilon: label smoothing (0: the negative log-likelihood).
         ignore_index: rows whose target equals it count for nothing (fairseq's padding).
         rows: rows upcast to fp32 at a time (default: :func:`chunk_rows`).
+        path: ``cache`` or ``stream`` (default: :func:`default_path`, by the logits' device).
 
     Returns:
         ``(loss, nll_loss)``, fp32 scalars summed over the rows; ``loss`` is
         differentiable with respect to ``logits``, its gradient in ``logits.dtype``.
 
     Raises:
-        ValueError: if the shapes or the dtype do not fit, or ``epsilon`` is outside [0, 1).
+        ValueError: if the shapes or the dtype do not fit, ``epsilon`` is outside [0, 1) or
+            ``path`` is not one of :data:`PATHS`.
     """
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"logits must be (N, V) and target (N,); got {tuple(logits.shape)} "
@@ -126,6 +206,9 @@ def label_smoothed_nll_from_logits(
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     if not 0.0 <= epsilon < 1.0:
         raise ValueError(f"label smoothing must be in [0, 1), got {epsilon}")
-    rows = rows or chunk_rows(logits.size(-1), logits.device)
-    return _LabelSmoothedNLLFromLogits.apply(logits.contiguous(), target.contiguous(),
-                                             float(epsilon), ignore_index, int(rows))
+    path = path or default_path(logits.device)
+    if path not in _FUNCTIONS:
+        raise ValueError(f"fused loss path must be one of {', '.join(PATHS)}, got {path!r}")
+    rows = rows or chunk_rows(logits.size(-1), logits.device, path)
+    return _FUNCTIONS[path].apply(logits.contiguous(), target.contiguous(), float(epsilon),
+                                  ignore_index, int(rows))

@@ -193,7 +193,7 @@ def _build_criterion_of(target):
             return criterion
         fused = fused_criterion_class(criterion)
         if fused is None:
-            (logger.warning if mode == "on" else logger.info)(
+            (logger.warning if mode != "auto" else logger.info)(
                 "--fused-loss %s: the criterion %s has no fused loss (only cross_entropy and "
                 "label_smoothed_cross_entropy); its own is used", mode, type(criterion).__name__)
             return criterion
@@ -201,7 +201,10 @@ def _build_criterion_of(target):
         logger.info("--fused-loss %s: %s computes its loss from the logits in fp32 chunks, "
                     "keeping no fp32 log-probabilities", mode,
                     getattr(cfg, "_name", None) or type(criterion).__name__)
-        return fused.build_criterion(cfg, self)
+        fused_criterion = fused.build_criterion(cfg, self)
+        if mode in ("stream", "cache"):
+            fused_criterion.fused_loss_path = mode
+        return fused_criterion
 
     return build_criterion
 

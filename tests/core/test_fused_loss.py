@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
-from fairseq_fp16.core.fused_loss import chunk_rows, label_smoothed_nll_from_logits
+from fairseq_fp16.core.fused_loss import PATHS, chunk_rows, label_smoothed_nll_from_logits
+from fairseq_fp16_tools.bench.op_census import OpCensus
 
 PAD = 1
 N, V = 96, 500
@@ -32,12 +33,14 @@ def loss_and_grad(fn, logits, target, eps, weights=(1.0, 0.0), **kw):
     return loss.detach(), nll.detach(), x.grad
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_same_loss_and_gradient_as_fairseq(dtype, eps):
+def test_same_loss_and_gradient_as_fairseq(dtype, eps, path):
     logits, target = inputs(dtype)
     ref = loss_and_grad(fairseq_loss, logits, target, eps, ignore_index=PAD)
-    got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, eps, ignore_index=PAD)
+    got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, eps, ignore_index=PAD,
+                        path=path, rows=40)
     assert got[0].dtype == got[1].dtype == torch.float32 and got[2].dtype == dtype
     # fp32 arithmetic on the same upcast values: only the order of additions differs
     torch.testing.assert_close(got[0], ref[0], rtol=2e-6, atol=0)
@@ -51,41 +54,75 @@ def test_same_loss_and_gradient_as_fairseq(dtype, eps):
     assert (got[2][target == PAD] == 0).all()
 
 
-def test_gradient_of_both_outputs():
+@pytest.mark.parametrize("path", PATHS)
+def test_gradient_of_both_outputs(path):
     """fairseq logs the NLL; a caller that backpropagates through it gets its gradient too."""
     logits, target = inputs(torch.float32)
     ref = loss_and_grad(fairseq_loss, logits, target, 0.1, weights=(2.0, 3.0))
     got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, weights=(2.0, 3.0),
-                        ignore_index=PAD)
+                        ignore_index=PAD, path=path)
     torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
 
 
-def test_without_ignore_index_every_row_counts():
+@pytest.mark.parametrize("path", PATHS)
+def test_without_ignore_index_every_row_counts(path):
     logits, target = inputs(torch.float16)
-    ref = fairseq_loss(logits, target, 0.1, ignore_index=None)
-    got = label_smoothed_nll_from_logits(logits, target, 0.1)
+    ref = loss_and_grad(fairseq_loss, logits, target, 0.1, ignore_index=None)
+    got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, path=path)
     torch.testing.assert_close(got[0], ref[0], rtol=2e-6, atol=0)
+    ulp = torch.finfo(torch.float16).eps * ref[2].float().abs().clamp_min(1e-4)
+    assert ((got[2].float() - ref[2].float()).abs() <= ulp).all()
+    assert (got[2][target == PAD] != 0).any()  # padding rows count here
     assert got[0] > label_smoothed_nll_from_logits(logits, target, 0.1, ignore_index=PAD)[0]
 
 
-def test_chunking_does_not_change_a_bit():
+@pytest.mark.parametrize("path", PATHS)
+def test_chunking_does_not_change_a_bit(path):
     logits, target = inputs(torch.bfloat16)
     results = [loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, ignore_index=PAD,
-                             rows=rows) for rows in (1, 7, N)]
+                             rows=rows, path=path) for rows in (1, 7, N)]
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
-    assert chunk_rows(8000, torch.device("cpu")) == 65 and chunk_rows(10**9, torch.device("cpu")) == 1
+
+def test_each_device_its_path_and_chunks():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert chunk_rows(8000, cpu) == 65 and chunk_rows(10**9, cpu) == 1
     # CUDA: 4 chunks for 16k tokens of a 32k vocabulary (launches, not cache, bound a GPU update)
-    assert -(-16384 // chunk_rows(32768, torch.device("cuda"))) == 4
+    assert -(-16384 // chunk_rows(32768, cuda)) == 4
+    assert chunk_rows(32768, cpu, "stream") == chunk_rows(32768, cuda)
 
 
-def test_non_finite_logits_give_a_non_finite_loss():
+def traffic(path, rows=N, dtype=torch.float16):
+    """(kernel launches, bytes moved per logit) of one forward and backward (op census)."""
+    logits, target = inputs(dtype)
+    x = logits.clone().requires_grad_()
+    census = OpCensus()
+    with census:
+        label_smoothed_nll_from_logits(x, target, 0.1, PAD, rows=rows, path=path)[0].backward()
+    summary = census.summary(1)
+    return summary["launches"], summary["mb"] * 2**20 / (N * V)
+
+
+def test_the_stream_path_moves_a_third_of_the_cache_paths_bytes():
+    """On a GPU the loss is bound by memory traffic: the stream path's passes over the logits.
+    The CPU counts a cast before each half-to-fp32 softmax that CUDA's kernels do inside
+    (2 + 4 bytes a logit, twice)."""
+    stream_bytes, cache_bytes = traffic("stream")[1], traffic("cache")[1]
+    assert cache_bytes > 70
+    assert stream_bytes - 2 * 6 < 28
+    # launches a chunk (forward and backward): 3 more chunks at N / 4 rows a chunk
+    per_chunk = {path: (traffic(path, rows=N // 4)[0] - traffic(path)[0]) / 3 for path in PATHS}
+    assert per_chunk["stream"] - 2 <= 8 < 16 <= per_chunk["cache"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_non_finite_logits_give_a_non_finite_loss(path):
     """An overflowed logit must reach the loss scaler as an overflow, as it does in fairseq."""
     logits, target = inputs(torch.float16)
     logits[3, 10] = float("inf")
     assert not torch.isfinite(fairseq_loss(logits, target, 0.1)[0])
-    assert not torch.isfinite(label_smoothed_nll_from_logits(logits, target, 0.1, PAD)[0])
+    assert not torch.isfinite(label_smoothed_nll_from_logits(logits, target, 0.1, PAD, path=path)[0])
 
 
 def saved_bytes(fn, logits, target):
@@ -103,14 +140,17 @@ def saved_bytes(fn, logits, target):
     return sum(total)
 
 
-def test_keeps_the_half_logits_not_fp32_log_probabilities():
+@pytest.mark.parametrize("path, per_row", [("cache", 8 + 4 + 1), ("stream", 8 + 1)])
+def test_keeps_the_half_logits_not_fp32_log_probabilities(path, per_row):
     logits, target = inputs(torch.float16)
     stock = saved_bytes(lambda x, t: fairseq_loss(x, t, 0.1), logits, target)
-    fused = saved_bytes(lambda x, t: label_smoothed_nll_from_logits(x, t, 0.1, PAD), logits, target)
+    fused = saved_bytes(lambda x, t: label_smoothed_nll_from_logits(x, t, 0.1, PAD, path=path),
+                        logits, target)
     half_logits = N * V * 2
     assert stock >= 2 * half_logits  # fp32 log-probabilities: twice the half logits
-    # the half logits themselves, then per row: target (int64), log-sum-exp (fp32), kept (bool)
-    assert fused == half_logits + N * (8 + 4 + 1)
+    # the half logits themselves, then per row: target (int64), kept (bool) and for the
+    # cache path the log-sum-exp (fp32)
+    assert fused == half_logits + N * per_row
 
 
 def test_bad_arguments_name_what_is_wrong():
@@ -122,3 +162,5 @@ def test_bad_arguments_name_what_is_wrong():
         label_smoothed_nll_from_logits(logits, target, 1.0)
     with pytest.raises(ValueError, match="logits must be floating point, got torch.int64"):
         label_smoothed_nll_from_logits(target[:, None].expand(N, 3), target, 0.1)
+    with pytest.raises(ValueError, match="fused loss path must be one of cache, stream, got 'gpu'"):
+        label_smoothed_nll_from_logits(logits, target, 0.1, path="gpu")
