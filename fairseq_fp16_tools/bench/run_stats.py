@@ -1,6 +1,7 @@
 """Run a fairseq CLI in this process and record its wall time and peak memory.
 
-    python scripts/run_stats.py [--profile-updates FIRST:COUNT PROFILE.json] STATS.json fairseq-train ARGS...
+    python scripts/run_stats.py [--profile-updates FIRST:COUNT PROFILE.json]
+        [--census-updates FIRST:COUNT CENSUS.json] STATS.json fairseq-train ARGS...
 
 Writes ``{"wall_s", "peak_rss_mb", "peak_cuda_mb", "exit_code", "machine"}`` to
 STATS.json when the command ends, whatever the outcome (``machine``: see
@@ -15,6 +16,11 @@ With ``--profile-updates FIRST:COUNT PROFILE.json`` the updates FIRST to FIRST+C
 update FIRST to the start of the next one, and PROFILE.json gets their summary
 (:func:`bench.profile_summary.summarize_trace`: device busy and idle time, time by kernel class,
 launches and host syncs per update). The run needs at least FIRST+COUNT updates.
+
+With ``--census-updates FIRST:COUNT CENSUS.json`` those updates' ``train_step`` calls run under
+:class:`bench.op_census.OpCensus` instead, and CENSUS.json gets the operators, bytes and host
+syncs per update (on any device; the counts do not depend on the machine's speed; CPU half
+matrix products run as fp32 products rounded to half).
 """
 
 import json
@@ -203,26 +209,119 @@ class UpdateProfiler:
             json.dump(self.summary, f)
 
 
-def _parse_profile_flag(argv):
-    """(UpdateProfiler or None, remaining argv) from a leading ``--profile-updates F:N PATH``."""
-    if not argv or argv[0] != "--profile-updates":
-        return None, argv
-    try:
-        first, count = (int(x) for x in argv[1].split(":"))
-        path = argv[2]
-    except (IndexError, ValueError):
-        raise SystemExit("--profile-updates takes FIRST:COUNT and a PROFILE.json path, e.g. "
-                         "--profile-updates 31:3 profile.json") from None
-    return UpdateProfiler(first, count, path, name=os.path.splitext(os.path.basename(path))[0]), argv[3:]
+class UpdateCensus:
+    """:class:`bench.op_census.OpCensus` over ``count`` ``train_step`` calls from call ``first``
+    on (the optimizer's ``step`` marked as the step phase); the summary (with ``name``) goes to
+    ``out_path`` as JSON after the last of them.
+
+    An update that begins with the plugin's non-finite watch armed (the one after an overflow:
+    it checks every module's output, a host sync each) is not counted and the window moves on
+    by one, so the census is of steady-state updates; ``armed_updates_skipped`` says how many.
+    """
+
+    def __init__(self, first: int, count: int, out_path: str, name: str = "") -> None:
+        if first < 1 or count < 1:
+            raise ValueError(f"--census-updates FIRST:COUNT needs FIRST >= 1 and COUNT >= 1, "
+                             f"got {first}:{count}")
+        self.first, self.count, self.out_path, self.name = first, count, out_path, name
+        self.calls = 0
+        self.counted = 0
+        self.skipped = 0
+        self.census = None
+        self.summary = None
+
+    def install(self, train_module) -> None:
+        """Wrap ``train_module.train`` (``fairseq_cli.train``'s epoch loop)."""
+        train_epoch = train_module.train
+        census = self
+
+        def train(cfg, trainer, *args, **kwargs):
+            if "train_step" not in vars(trainer):
+                trainer.train_step = census.wrap(trainer, trainer.train_step)
+            return train_epoch(cfg, trainer, *args, **kwargs)
+
+        train_module.train = train
+
+    def wrap(self, trainer, step):
+        from .op_census import OpCensus
+
+        def train_step(*args, **kwargs):
+            # every update runs under the census (its fp32 products keep CPU half runs fast);
+            # the window's are counted
+            self.calls += 1
+            if self.census is None:
+                self.census = OpCensus(fp32_products=True)
+            optimizer = trainer.optimizer
+            watch = getattr(optimizer, "watch", None)
+            counting = self.calls >= self.first and self.counted < self.count
+            if counting and watch is not None and watch.armed:
+                self.skipped += 1
+                counting = False
+            opt_step = optimizer.step
+
+            def marked_step(*a, **k):
+                self.census.in_step = True
+                try:
+                    return opt_step(*a, **k)
+                finally:
+                    self.census.in_step = False
+
+            optimizer.step = marked_step
+            self.census.counting = counting
+            try:
+                with self.census:
+                    return step(*args, **kwargs)
+            finally:
+                del optimizer.step  # the class's method again
+                self.census.counting = False
+                if counting:
+                    self.counted += 1
+                    if self.counted == self.count:
+                        self.finish()
+
+        return train_step
+
+    def finish(self) -> None:
+        """Write the summary of the updates counted so far (once)."""
+        if not self.counted or self.summary is not None:
+            return
+        self.summary = {"name": self.name, "first_update": self.first,
+                        "armed_updates_skipped": self.skipped,
+                        **self.census.summary(self.counted)}
+        with open(self.out_path, "w") as f:
+            json.dump(self.summary, f)
+
+
+def _parse_window_flags(argv):
+    """(UpdateProfiler or None, UpdateCensus or None, remaining argv) from leading
+    ``--profile-updates F:N PATH`` / ``--census-updates F:N PATH``."""
+    windows = {"--profile-updates": UpdateProfiler, "--census-updates": UpdateCensus}
+    found = {}
+    while argv and argv[0] in windows:
+        flag = argv[0]
+        try:
+            first, count = (int(x) for x in argv[1].split(":"))
+            path = argv[2]
+        except (IndexError, ValueError):
+            raise SystemExit(f"{flag} takes FIRST:COUNT and a JSON path, e.g. "
+                             f"{flag} 31:3 out.json") from None
+        name = os.path.splitext(os.path.basename(path))[0]
+        found[flag] = windows[flag](first, count, path, name=name)
+        argv = argv[3:]
+    return found.get("--profile-updates"), found.get("--census-updates"), argv
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    profiler, argv = _parse_profile_flag(argv)
+    profiler, census, argv = _parse_window_flags(argv)
     if len(argv) < 2 or argv[1] not in CLIS:
         print("usage: python scripts/run_stats.py [--profile-updates FIRST:COUNT PROFILE.json] "
+              "[--census-updates FIRST:COUNT CENSUS.json] "
               f"STATS.json {{{','.join(CLIS)}}} ARGS...", file=sys.stderr)
         return 2
+    if profiler is not None and census is not None:
+        raise SystemExit("--profile-updates and --census-updates: one at a time (the census "
+                         "would count the profiler's own work)")
     stats_path, tool, args = argv[0], argv[1], argv[2:]
     import importlib
 
@@ -230,10 +329,11 @@ def main(argv=None) -> int:
 
     cuda_peak = CudaPeak(torch.cuda)
     module = importlib.import_module(CLIS[tool])
-    if profiler is not None:
-        if tool != "fairseq-train":
-            raise SystemExit("--profile-updates: only fairseq-train runs updates")
-        profiler.install(module)
+    for flag, window in (("--profile-updates", profiler), ("--census-updates", census)):
+        if window is not None:
+            if tool != "fairseq-train":
+                raise SystemExit(f"{flag}: only fairseq-train runs updates")
+            window.install(module)
     sys.argv = [tool, *args]
     start = time.perf_counter()
     code = 0
@@ -247,6 +347,8 @@ def main(argv=None) -> int:
     finally:
         if profiler is not None:
             profiler.finish()
+        if census is not None:
+            census.finish()
         stats = {
             "wall_s": time.perf_counter() - start,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,

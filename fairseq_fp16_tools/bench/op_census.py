@@ -1,0 +1,299 @@
+"""What an update asks of the device, counted on any machine: operators, bytes, host syncs.
+
+On a fast GPU a transformer update is bound by the host, which launches one kernel per
+operator from Python, and by the memory traffic of the elementwise work; neither needs a GPU to
+count. :class:`OpCensus` is a ``TorchDispatchMode`` that sees every operator after autograd, as
+the device would receive it, and counts per operator:
+
+* launches: operators that run a kernel (views, allocations and ``detach`` do not);
+* bytes: every tensor argument read once and every output written once (an in-place
+  operator reads and writes its tensor; ``copy_`` reads the source and writes the
+  destination; a gather, scatter or index_select touches its index's elements and rows, not
+  the whole tensor): the traffic of an operator that streams its operands, which the
+  elementwise and copy kernels of an update do;
+* host syncs: operators that make the host wait for the device (``.item()``,
+  ``nonzero``, ``torch.equal``).
+
+Operators are grouped by class (the kernel classes of :mod:`.profile_summary`) and by phase:
+``backward`` (run by the autograd engine), ``step`` (inside the optimizer's ``step``) and
+``forward`` (everything else in ``Trainer.train_step``: forward, loss, loss scaling, clipping).
+A composite operator that torch runs as several kernels (``logsumexp``) counts once, and a CPU
+run sees the CPU's decomposition (a half-to-fp32 ``log_softmax`` is one kernel on CUDA, a cast
+and a ``log_softmax`` here), so the counts are a close proxy for the GPU's, not its trace.
+
+On a CPU without half-precision units torch's half matrix products crawl; the census
+runs them as fp32 products rounded to half (what a GPU's tensor cores compute), counted as
+the half products they replace.
+
+``scripts/run_stats.py --census-updates FIRST:COUNT CENSUS.json`` takes the census of updates
+FIRST .. FIRST+COUNT-1 of a ``fairseq-train`` run; ``scripts/op_census.py`` compares modes.
+"""
+
+import re
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CLASSES", "OpCensus", "classify_op", "diff_table", "table"]
+
+#: operator classes by aten name, tried in order; the last takes the rest
+CLASSES: List[Tuple[str, str]] = [
+    ("optimizer", r"^_foreach_|^_fused_adam|^_amp_"),
+    ("attention", r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention"),
+    ("matmul", r"^(mm|addmm|bmm|baddbmm|addbmm|_addmm_activation|addmv|mv|dot)$"),
+    ("softmax/norm", r"softmax|layer_norm|group_norm|batch_norm|logsumexp|nll_loss|cross_entropy"),
+    ("copies", r"^(_to_copy|copy_|fill_|zero_|cat|clone|zeros|zeros_like|ones|ones_like|full|"
+               r"full_like|new_zeros|new_ones|new_full|scalar_tensor|_copy_from|index_copy_?)$"),
+    ("elementwise/other", r""),
+]
+#: operators that launch no kernel besides views
+NO_KERNEL = {"_unsafe_view", "_record_function_enter_new", "_record_function_exit", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+             "lift_fresh", "alias", "resize_", "set_", "_local_scalar_dense", "is_same_size",
+             "_has_compatible_shallow_copy_type"}
+#: operators that make the host wait for the device
+SYNCS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "_unique2",
+         "unique_consecutive", "unique_dim"}
+PHASES = ("forward", "backward", "step")
+#: operators that touch only the elements (gather, scatter) or rows (index_select,
+#: embedding) their index names
+INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "index_select",
+           "embedding"}
+
+
+def op_name(func) -> str:
+    """``aten.add_.Tensor`` -> ``add_``."""
+    return func.__name__.split(".")[0]
+
+
+def classify_op(name: str) -> str:
+    for label, pattern in CLASSES:
+        if re.search(pattern, name):
+            return label
+    return CLASSES[-1][0]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _indexed_bytes(name: str, args, out) -> int:
+    """Read the index and the elements or rows it names, write as many (or the output)."""
+    if name in ("index_select", "embedding"):
+        index = args[2] if name == "index_select" else args[1]
+        return _nbytes([index]) + 2 * _nbytes(tree_flatten(out)[0])
+    self, index = args[0], args[2]
+    return _nbytes([index]) + 2 * index.numel() * self.element_size()
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+def _fp32_product(func, args, kwargs):
+    """A half matrix product on the CPU as an fp32 product rounded to half (fast anywhere)."""
+    up = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _HALF else a for a in args]
+    return func(*up, **kwargs).to(args[-1].dtype)
+
+
+class OpCensus(TorchDispatchMode):
+    """Counts the operators run inside it (see the module's docstring).
+
+    ``phase`` is ``forward`` unless the autograd engine runs the operator (``backward``) or
+    :attr:`in_step` is set (``step``, by the caller around the optimizer's step).
+    ``fp32_products``: CPU half matrix products run as fp32 products rounded to half.
+    """
+
+    def __init__(self, fp32_products: bool = False) -> None:
+        super().__init__()
+        self.fp32_products = fp32_products
+        self.in_step = False
+        #: False: operators run (fp32 products included) but are not counted
+        self.counting = True
+        # (op, phase) -> [launches, bytes]; syncs by op
+        self.ops: Dict[Tuple[str, str], List[int]] = defaultdict(lambda: [0, 0])
+        self.syncs: Dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = op_name(func)
+        if (self.fp32_products and name in _MATMULS and "out" not in kwargs
+                and args[-1].dtype in _HALF and args[-1].device.type == "cpu"):
+            out = _fp32_product(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if not self.counting:
+            return out
+        if name in SYNCS:
+            self.syncs[name] += 1
+        if func.is_view or name in NO_KERNEL:
+            return out
+        if name == "copy_":
+            moved = _nbytes(args[1:2]) + _nbytes(args[:1])
+        elif name in INDEXED:
+            moved = _indexed_bytes(name, args, out)
+        else:
+            ins = tree_flatten((args, {k: v for k, v in kwargs.items() if k != "out"}))[0]
+            moved = _nbytes(ins) + _nbytes(tree_flatten(out)[0])
+        if torch._C._current_autograd_node() is not None:
+            phase = "backward"
+        else:
+            phase = "step" if self.in_step else "forward"
+        entry = self.ops[(name, phase)]
+        entry[0] += 1
+        entry[1] += moved
+        return out
+
+    def summary(self, updates: int) -> Dict:
+        """Per update: launches, MB moved and syncs in all, by class, by phase and by operator
+        (``ops``: name -> [launches, MB], largest MB first)."""
+        if updates < 1:
+            raise ValueError(f"a census needs updates >= 1, got {updates}")
+        by_op: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
+        by_class: Dict[str, List[int]] = {k: [0, 0] for k, _ in CLASSES}
+        by_phase: Dict[str, List[int]] = {k: [0, 0] for k in PHASES}
+        for (name, phase), (n, b) in self.ops.items():
+            for acc in (by_op[name], by_class[classify_op(name)], by_phase[phase]):
+                acc[0] += n
+                acc[1] += b
+
+        def rec(n, b):
+            return {"launches": round(n / updates, 1), "mb": round(b / updates / 2**20, 2)}
+
+        launches = sum(v[0] for v in by_op.values())
+        moved = sum(v[1] for v in by_op.values())
+        return {
+            "updates": updates,
+            **rec(launches, moved),
+            "syncs": round(sum(self.syncs.values()) / updates, 1),
+            "sync_ops": {k: round(v / updates, 1) for k, v in sorted(self.syncs.items())},
+            "by_class": {k: rec(*v) for k, v in by_class.items()},
+            "by_phase": {k: rec(*v) for k, v in by_phase.items()},
+            "ops": {name: [round(n / updates, 1), round(b / updates / 2**20, 2)]
+                    for name, (n, b) in sorted(by_op.items(), key=lambda kv: -kv[1][1])},
+        }
+
+
+def table(census: Dict[str, Dict]) -> str:
+    """One line per run: launches, MB and syncs per update, then launches/MB by class."""
+    classes = [k for k, _ in CLASSES]
+    head = f"{'run':18s} {'launch':>7s} {'MB':>9s} {'syncs':>6s}  " + "  ".join(
+        f"{c[:15]:>15s}" for c in classes)
+    lines = [head, " " * 44 + "  ".join(f"{'launch/MB':>15s}" for _ in classes)]
+    for name, c in census.items():
+        if "error" in c:
+            lines.append(f"{name:18s} census failed: {c['error']}")
+            continue
+        cells = "  ".join(f"{c['by_class'][k]['launches']:6.0f}/{c['by_class'][k]['mb']:8.1f}"
+                          for k in classes)
+        lines.append(f"{name:18s} {c['launches']:7.0f} {c['mb']:9.1f} {c['syncs']:6.1f}  {cells}")
+    return "\n".join(lines)
+
+
+def diff_table(base: Dict, other: Dict, top: int = 12) -> str:
+    """The ``top`` operators whose launches and MB per update differ most between two runs."""
+    a, b = base["ops"], other["ops"]
+    rows = []
+    for name in set(a) | set(b):
+        (na, ma), (nb, mb) = a.get(name, (0.0, 0.0)), b.get(name, (0.0, 0.0))
+        rows.append((abs(mb - ma) + abs(nb - na), name, nb - na, mb - ma))
+    rows.sort(reverse=True)
+    lines = [f"{'operator':32s} {'launches':>9s} {'MB':>9s}"]
+    lines += [f"{name:32s} {dn:+9.0f} {dm:+9.1f}" for _, name, dn, dm in rows[:top]]
+    return "\n".join(lines)
+
+
+# --- the comparison of modes (scripts/op_census.py) ---------------------------------------
+
+#: flags that give a CPU run the operators of a CUDA run (``--half-matmul``,
+#: ``--attention-path`` and ``--fused-loss`` pick CPU paths by default; so does the padding)
+AS_ON_CUDA = ["--half-matmul", "native", "--attention-path", "torch", "--cpu-length-multiple", "1",
+              "--fused-loss", "stream"]
+
+
+def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> Dict:
+    """The census of ``count`` updates from update ``first`` on of a CPU fairseq-train run of
+    ``mode`` (a mode of :mod:`.fairseq_train`), with the operators a CUDA run would launch
+    (updates after an overflow are passed over: :class:`.run_stats.UpdateCensus`)."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from ..paths import USER_DIR, script
+    from .fairseq_train import ENV, MODES, STOCK
+
+    flags = list(MODES[mode])
+    if mode in STOCK:
+        plugin, task, optimizer = [], "translation", "adam"
+    else:
+        plugin, task, optimizer = ["--user-dir", USER_DIR], "translation_fp16", "fp16_adam"
+        if "--fp16" in flags or "--bf16" in flags:
+            flags += [f for i in range(0, len(AS_ON_CUDA), 2) if AS_ON_CUDA[i] not in flags
+                      for f in AS_ON_CUDA[i:i + 2]]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = Path(tmp) / f"{mode}.json"
+        cmd = [sys.executable, script("run_stats.py"), "--census-updates", f"{first}:{count}",
+               str(out_path), str(Path(tmp) / "stats.json"), "fairseq-train", str(data), *plugin,
+               "--task", task, "--optimizer", optimizer, "--lr", "1e-3", *shlex.split(model),
+               "--max-update", str(first + count + 4), "--no-save", "--disable-validation",
+               "--seed", "1", "--cpu", "--log-format", "simple", *flags]
+        run = subprocess.run(cmd, capture_output=True, text=True,
+                             env={**os.environ, **ENV.get(mode, {})})
+        if run.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"fairseq-train ({mode}) failed:\n{run.stderr[-3000:]}")
+        census = json.loads(out_path.read_text())
+    census["name"] = mode
+    census["flags"] = flags
+    return census
+
+
+def main(argv=None) -> int:
+    """``scripts/op_census.py``: the census of each mode on the same model, data and batch."""
+    import argparse
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from .fairseq_train import MODEL, MODES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("data", nargs="?", help="data-bin directory (default: the synthetic corpus)")
+    ap.add_argument("--modes", default="fp32,fp16,fp16-cache,fp16-unfused,bf16",
+                    help="modes of scripts/bench_fairseq_train.py (not fp16-stock: stock fairseq --fp16 needs CUDA)")
+    ap.add_argument("--model", default=MODEL, help="fairseq-train's model and batch flags")
+    ap.add_argument("--updates", default="3:2", help="FIRST:COUNT updates counted")
+    a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
+    try:
+        first, count = (int(x) for x in a.updates.split(":"))
+    except ValueError:
+        ap.error(f"--updates takes FIRST:COUNT, e.g. 3:2; got {a.updates!r}")
+    data = a.data
+    if data is None:
+        from ..corpus import write_corpus
+
+        data = write_corpus(Path(tempfile.mkdtemp(prefix="census_toy_")))
+    results = {}
+    for mode in modes:
+        try:
+            results[mode] = run_census(data, mode, a.model, first, count)
+        except RuntimeError as e:  # the other modes still count
+            print(e, file=sys.stderr, flush=True)
+            results[mode] = {"name": mode, "error": str(e).splitlines()[-1][:500]}
+    print(table(results))
+    base = modes[0]
+    for mode in modes[1:]:
+        if "error" not in results[base] and "error" not in results[mode]:
+            print(f"\n{mode} against {base}:\n" + diff_table(results[base], results[mode]))
+    print(json.dumps({"model": a.model, "updates": a.updates, "census": results}))
+    return 0

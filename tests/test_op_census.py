@@ -1,0 +1,123 @@
+"""The op census (scripts/op_census.py, run_stats --census-updates): launches, bytes and syncs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_MODEL, TRAIN, USER_DIR
+from fairseq_fp16_tools.bench.op_census import OpCensus, classify_op, diff_table, table
+
+
+def test_an_elementwise_op_reads_its_inputs_and_writes_its_output():
+    a, b = torch.ones(1000), torch.ones(1000)
+    with OpCensus() as census:
+        c = a + b
+        c.view(10, 100).t()  # views launch nothing
+        c.add_(1.0)  # in place: reads and writes c
+        torch.empty(1000)  # allocations launch nothing
+        float(c.sum())  # a host sync
+    s = census.summary(updates=1)
+    assert s["launches"] == 3 and s["syncs"] == 1
+    assert s["ops"]["add"] == [1, round(3 * 4000 / 2**20, 2)]
+    assert s["ops"]["add_"] == [1, round(2 * 4000 / 2**20, 2)]
+    assert s["by_phase"]["forward"]["launches"] == 3
+
+
+def test_indexed_ops_count_the_elements_they_touch():
+    x, idx = torch.ones(100, 1000), torch.zeros(100, 1, dtype=torch.long)
+    with OpCensus() as census:
+        x.gather(-1, idx)
+    # the index (8 bytes an entry), the 100 elements it names read and written (4 bytes each)
+    assert census.summary(1)["ops"]["gather"] == [1, round((800 + 2 * 400) / 2**20, 2)]
+
+
+def test_phases_backward_and_step_and_per_update_averages():
+    w = torch.ones(64, requires_grad=True)
+    census = OpCensus()
+    for _ in range(2):
+        with census:
+            (w * 2).sum().backward()
+            census.in_step = True
+            with torch.no_grad():
+                w.sub_(w.grad)
+            census.in_step = False
+            w.grad = None
+    s = census.summary(updates=2)
+    assert s["by_phase"]["forward"]["launches"] == 3  # mul, sum and the seed gradient (ones_like)
+    assert s["by_phase"]["step"]["launches"] == 1  # sub_
+    assert s["by_phase"]["backward"]["launches"] >= 1
+    assert s["launches"] == sum(p["launches"] for p in s["by_phase"].values())
+
+
+def test_cpu_half_products_run_in_fp32_and_count_as_the_half_product():
+    a = torch.randn(64, 32).half()
+    b = torch.randn(32, 16).half()
+    census = OpCensus(fp32_products=True)
+    with census:
+        out = a @ b
+        census.counting = False
+        a @ b  # run, not counted
+    assert out.dtype == torch.float16
+    assert torch.equal(out, (a.float() @ b.float()).half())
+    s = census.summary(1)
+    assert s["ops"]["mm"][0] == 1 and s["by_class"]["matmul"]["launches"] == 1
+
+
+@pytest.mark.parametrize("name,label", [
+    ("_fused_adamw_", "optimizer"), ("_foreach_norm", "optimizer"),
+    ("_scaled_dot_product_flash_attention_for_cpu", "attention"), ("addmm", "matmul"),
+    ("_log_softmax", "softmax/norm"), ("native_layer_norm_backward", "softmax/norm"),
+    ("_to_copy", "copies"), ("relu", "elementwise/other"),
+])
+def test_op_classes(name, label):
+    assert classify_op(name) == label
+
+
+def test_the_tables_name_each_run_and_the_largest_differences():
+    base = {"launches": 10, "mb": 5.0, "syncs": 1, "by_class": {}, "ops": {"mm": [4, 3.0], "add": [6, 2.0]}}
+    other = {**base, "ops": {"mm": [4, 1.5], "add": [6, 2.0], "addcmul": [2, 0.5]}}
+    from fairseq_fp16_tools.bench.op_census import CLASSES
+
+    for c in (base, other):
+        c["by_class"] = {k: {"launches": 1, "mb": 1.0} for k, _ in CLASSES}
+    rows = diff_table(base, other).splitlines()
+    assert rows[1].split() == ["addcmul", "+2", "+0.5"] and rows[2].split() == ["mm", "+0", "-1.5"]
+    text = table({"fp32": base, "fp16": {"error": "boom"}}).splitlines()
+    assert text[2].split()[:4] == ["fp32", "10", "5.0", "1.0"]
+    assert text[3] == f"{'fp16':18s} census failed: boom"
+
+
+@pytest.mark.slow
+def test_run_stats_counts_steady_updates_of_a_fairseq_run(toy_data, tmp_path):
+    census, stats = tmp_path / "fp16.json", tmp_path / "stats.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "run_stats.py"), "--census-updates", "3:2", str(census),
+           str(stats), "fairseq-train", str(toy_data), *TINY_MODEL, *TRAIN, "--user-dir", USER_DIR,
+           "--save-dir", str(tmp_path / "ck"), "--no-save", "--fp16", "--max-update", "8",
+           "--fused-loss", "stream"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(census.read_text())
+    assert (out["name"], out["first_update"], out["updates"]) == ("fp16", 3, 2)
+    phases = out["by_phase"]
+    assert phases["forward"]["launches"] > 0 and phases["backward"]["launches"] > 0
+    # the plugin's step: the fp16 gradients copied to the fp32 masters, a fused AdamW, the
+    # masters copied back into the model
+    assert {"_foreach_copy_", "_fused_adamw_"} <= set(out["ops"])
+    assert 0 < phases["step"]["launches"] < 60
+    assert "addcmul" in out["ops"] and "logsumexp" not in out["ops"]  # the stream loss
+    assert out["launches"] == pytest.approx(sum(p["launches"] for p in phases.values()), abs=0.1)
+
+
+def test_run_stats_takes_one_window_at_a_time(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "run_stats.py"), "--census-updates", "1:0", "c.json",
+           str(tmp_path / "s.json"), "fairseq-train", "--help"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert "--census-updates FIRST:COUNT needs FIRST >= 1 and COUNT >= 1, got 1:0" in proc.stderr
+    both = [cmd[0], cmd[1], "--profile-updates", "1:1", "p.json", "--census-updates", "1:1", "c.json",
+            str(tmp_path / "s.json"), "fairseq-train", "--help"]
+    proc = subprocess.run(both, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "--profile-updates and --census-updates: one at a time" in proc.stderr
