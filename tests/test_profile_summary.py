@@ -38,6 +38,11 @@ def test_a_trace_is_summarised_per_update():
     assert out["outside_step_ms"] == 1.0
     assert out["kernel_ms"] == {"optimizer": 0.0, "attention": 1.0, "matmul": 1.0, "softmax/norm": 0.0,
                                 "copies": 0.25, "elementwise/other": 0.25}
+    # by time, then by calls: [name, per update, ms per update]
+    assert out["top_kernels"][:2] == [["sm90_xmma_gemm_f16f16_f32", 0.5, 1.0],
+                                      ["fmha_cutlassF_f16_aligned_64x64_rf_sm80", 0.5, 1.0]]
+    assert len(out["top_kernels"]) == 4
+    assert out["top_host_ops"] == [["aten::add", 0.5, 0.05]]
 
 
 @pytest.mark.parametrize("name,cat,label", [

@@ -14,7 +14,11 @@
   waiting in ``cuda*Synchronize`` calls; ``host_ms``: the rest of the wall time, the host's
   own work;
 * ``outside_step_ms``: wall time per update outside ``Trainer.train_step`` (waiting for the
-  next batch, logging).
+  next batch, logging);
+* ``top_kernels``: the :data:`TOP` device kernels taking the most time, each
+  ``[name (first 120 characters), launches per update, ms per update]``;
+  ``top_host_ops``: the :data:`TOP` most frequent host operators (``aten::...``), each
+  ``[name, calls per update, host ms per update]``: what to fuse or drop first.
 
 On a CPU run the trace has no device events: the device fields are None.
 """
@@ -34,6 +38,7 @@ CLASSES: List[Tuple[str, str]] = [
     ("elementwise/other", r""),
 ]
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+TOP = 15
 LAUNCH = re.compile(r"^(cuda|cu)LaunchKernel|^cudaLaunchCooperativeKernel|^cuLaunchKernelEx")
 SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$")
 
@@ -90,6 +95,9 @@ def summarize_trace(trace: Dict, updates: int, window_ms: float,
         "gpu_idle_frac": None,
         "kernel_ms": None,
         "device_kernels": len(device) // updates,
+        "top_kernels": _top(device, updates, key=2),
+        "top_host_ops": _top([e for e in events if e.get("cat") == "cpu_op"
+                              and e.get("name", "").startswith("aten::")], updates, key=1),
     }
     if device:
         busy = _union_ms((e["ts"], e["ts"] + e["dur"]) for e in device) / updates
@@ -97,6 +105,18 @@ def summarize_trace(trace: Dict, updates: int, window_ms: float,
         out["gpu_idle_frac"] = round(max(0.0, 1.0 - busy / wall), 4)
         out["kernel_ms"] = {k: round(by_class.get(k, 0.0) / updates, 3) for k, _ in CLASSES}
     return out
+
+
+def _top(events, updates: int, key: int) -> List[list]:
+    """``[name, count per update, ms per update]`` of the :data:`TOP` names with the most
+    time (``key=2``) or calls (``key=1``)."""
+    by_name: Dict[str, List[float]] = {}
+    for e in events:
+        acc = by_name.setdefault(e.get("name", "")[:120], [0, 0.0])
+        acc[0] += 1
+        acc[1] += e["dur"] / 1000.0
+    rows = [[name, round(n / updates, 1), round(ms / updates, 3)] for name, (n, ms) in by_name.items()]
+    return sorted(rows, key=lambda r: -r[key])[:TOP]
 
 
 def table(profiles: Dict[str, Dict]) -> str:
