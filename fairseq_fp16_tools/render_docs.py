@@ -239,6 +239,22 @@ def gpu_precision_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
 PROFILE_CLASSES = ("matmul", "attention", "softmax/norm", "elementwise/other", "copies", "optimizer")
 
 
+def census_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/op_census.py: launches per update by phase, MB moved, host syncs, per mode."""
+    (d,) = data
+    rows = []
+    for mode, c in d["census"].items():
+        if "error" in c:
+            continue
+        phase, cls = c["by_phase"], c["by_class"]
+        rows.append([mode, thousands(c["launches"]), thousands(phase["forward"]["launches"]),
+                     thousands(phase["backward"]["launches"]), thousands(phase["step"]["launches"]),
+                     thousands(c["mb"]), thousands(cls["elementwise/other"]["mb"] + cls["softmax/norm"]["mb"]),
+                     thousands(cls["copies"]["mb"]), num(c["syncs"], 0)])
+    return md_table(["mode", "launches", "forward", "backward", "step", "MB moved",
+                     "elementwise + softmax/norm MB", "copies MB", "host syncs"], rows)
+
+
 def profile_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/profile_summary.py's records, per batch size and mode (ms per update)."""
     (d,) = data
@@ -387,6 +403,9 @@ TABLES: Dict[str, Table] = {
                               "bash scripts/gpu/session.sh OUT", gpu_batch_rows),
     "h200-ab": Table((f"{BENCH}/h200/ab-16k/train_16384.json", f"{BENCH}/h200/ab-16k/profiles.json"),
                      "bash scripts/gpu/session.sh OUT (MODES_A: the A/B modes)", gpu_ab_rows),
+    "op-census": Table((f"{BENCH}/avx512-epyc/op_census.json",),
+                       "python scripts/op_census.py data/gpu-bench/bin --model \"--arch transformer "
+                       "--share-all-embeddings --dropout 0.1 --max-tokens 1024\"", census_rows),
     "optimizer": Table(tuple(f"{BENCH}/{m}/optimizer.json" for m in ("avx512-epyc", "avx2-epyc", "amx-xeon"))
                        + (f"{BENCH}/h200/ab-16k/optimizer.json",),
                        "python scripts/bench_optimizer.py --params 1e6,1e7,1e8 [--device cuda]", optimizer_rows),

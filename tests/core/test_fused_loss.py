@@ -164,3 +164,17 @@ def test_bad_arguments_name_what_is_wrong():
         label_smoothed_nll_from_logits(target[:, None].expand(N, 3), target, 0.1)
     with pytest.raises(ValueError, match="fused loss path must be one of cache, stream, got 'gpu'"):
         label_smoothed_nll_from_logits(logits, target, 0.1, path="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_on_cuda_the_stream_path_matches_fairseq(dtype):
+    """CUDA's half-to-fp32 softmax kernels, the default path there, against fairseq's loss."""
+    logits, target = (t.cuda() for t in inputs(dtype))
+    ref = loss_and_grad(fairseq_loss, logits, target, 0.1, ignore_index=PAD)
+    got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, ignore_index=PAD)
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-6, atol=0)
+    ulp = torch.finfo(dtype).eps * ref[2].float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((got[2].float() - ref[2].float()).abs() <= ulp).all()
+    assert (got[2][target == PAD] == 0).all()
