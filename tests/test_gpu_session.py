@@ -32,6 +32,8 @@ def test_session_smoke_writes_every_result(tmp_path):
         result = json.loads((out / name).read_text())
         assert list(result["ms_per_update"]) == modes and result["failed"] == {} and result["skipped"] == []
         assert all(v > 0 for v in result["words_per_s"].values())
+        assert set(result["skipped_updates"]) == set(modes)
+        assert all(isinstance(n, int) and n >= 0 for n in result["skipped_updates"].values())
     profiles = json.loads((out / "profiles.json").read_text())
     assert {k: sorted(v) for k, v in profiles.items()} == {"1024": ["fp16", "fp32"], "2048": ["bf16", "fp32"]}
     assert all(p["updates"] == 3 and p["wall_ms"] > 0 for v in profiles.values() for p in v.values())
@@ -79,3 +81,14 @@ def test_staged_fairseq_has_its_version_and_console_scripts(tmp_path):
     script = (tmp_path / "bin" / "fairseq-train").read_text()
     assert script.startswith(f"#!{sys.executable}\n") and "from fairseq_cli.train import cli_main" in script
     assert os.access(tmp_path / "bin" / "fairseq-train", os.X_OK)
+
+
+def test_the_benchmark_reads_the_overflow_skips_from_the_log():
+    from fairseq_fp16_tools.bench.fairseq_train import skipped_updates
+
+    log = ("2026 | INFO | train_inner | epoch 001:      4 / 3400 loss=19.2, ups=0.09, num_updates=2, "
+           "loss_scale=32, skipped=2, train_wall=11\n"
+           "2026 | INFO | train_inner | epoch 001:      9 / 3400 loss=16.0, ups=0.25, num_updates=6, "
+           "loss_scale=16, skipped=3, train_wall=4\n")
+    assert skipped_updates(log) == 3
+    assert skipped_updates("2026 | INFO | train_inner | epoch 001: loss=3.1, ups=2.0") == 0

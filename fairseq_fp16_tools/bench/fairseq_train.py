@@ -84,8 +84,15 @@ class RunFailed(RuntimeError):
     """One mode's run failed; the others still run and the JSON lists it under "failed"."""
 
 
+def skipped_updates(text: str) -> int:
+    """Updates skipped for overflow by the end of a run's log (the plugin's ``skipped``
+    counter in fairseq's train_inner records; 0 where there is none)."""
+    counts = re.findall(r"\| train_inner \|.* skipped=([0-9]+)", text)
+    return int(counts[-1]) if counts else 0
+
+
 def run(data, mode, updates, model, device, profile=None):
-    """(ms/update, target words/s, peak MB, machine) of one fairseq-train run.
+    """(ms/update, target words/s, peak MB, skipped updates, machine) of one fairseq-train run.
 
     ``profile``: (updates to profile, JSON path), run after the timed updates.
     """
@@ -114,7 +121,8 @@ def run(data, mode, updates, model, device, profile=None):
     if profile and len(ups) + 1 != updates // 5:
         raise RunFailed(f"fairseq-train ({mode}): the profiled updates reached a logged interval")
     mem = peak["peak_cuda_mb"] if peak["peak_cuda_mb"] else peak["peak_rss_mb"]
-    return 1000.0 / (sum(ups) / len(ups)), sum(wps) / len(wps), mem, peak.get("machine")
+    return (1000.0 / (sum(ups) / len(ups)), sum(wps) / len(wps), mem, skipped_updates(text),
+            peak.get("machine"))
 
 
 def main(argv=None):
@@ -175,7 +183,7 @@ def main(argv=None):
                 failed[mode] = str(e).splitlines()[-1][:500]
                 continue
             runs[mode].append(tuple(result))
-            ms_, wps_, mem_ = runs[mode][-1]  # as it goes, so a run cut short still says something
+            ms_, wps_, mem_, _ = runs[mode][-1]  # as it goes, so a run cut short still says something
             print(f"  {mode}: {ms_:.1f} ms/update, {wps_:.0f} words/s, {mem_:.0f} MB",
                   file=sys.stderr, flush=True)
     runs = {m: v for m, v in runs.items() if v}
@@ -205,6 +213,9 @@ def main(argv=None):
         "words_ratio_to_first": {k: round(v / wps[first], 3) for k, v in wps.items()},
         "peak_mb": {k: round(v, 1) for k, v in mem.items()}, "peak_kind": mem_kind,
         "peak_ratio_to_first": {k: round(v / mem[first], 3) for k, v in mem.items()},
+        # updates skipped for overflow in each mode's run (the most over its repeats): a skipped
+        # update costs its time but is not counted in ups
+        "skipped_updates": {k: max(r[3] for r in v) for k, v in runs.items()},
         "skipped": skipped, "failed": failed, "machine": machine,
     }))
 
