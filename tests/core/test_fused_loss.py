@@ -104,7 +104,7 @@ def traffic(path, rows=N, dtype=torch.float16):
     return summary["launches"], summary["mb"] * 2**20 / (N * V)
 
 
-def test_the_stream_path_moves_a_third_of_the_cache_paths_bytes():
+def test_the_stream_path_moves_fewer_bytes_in_fewer_launches():
     """On a GPU the loss is bound by memory traffic: the stream path's passes over the logits.
     The CPU counts a cast before each half-to-fp32 softmax that CUDA's kernels do inside
     (2 + 4 bytes a logit, twice)."""
