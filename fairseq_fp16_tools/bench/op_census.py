@@ -25,17 +25,29 @@ On a CPU without half-precision units torch's half matrix products crawl; the ce
 runs them as fp32 products rounded to half (what a GPU's tensor cores compute), counted as
 the half products they replace.
 
-``scripts/run_stats.py --census-updates FIRST:COUNT CENSUS.json`` takes the census of updates
-FIRST .. FIRST+COUNT-1 of a ``fairseq-train`` run; ``scripts/op_census.py`` compares modes.
+``scripts/run_stats.py --census-updates FIRST:COUNT CENSUS.json`` takes the census of COUNT
+steady-state updates of a ``fairseq-train`` run from update FIRST on;
+``scripts/op_census.py`` compares modes.
 """
 
+import argparse
+import json
+import os
 import re
+import shlex
+import subprocess
+import sys
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 from typing import Dict, List, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..paths import USER_DIR, script
+from .fairseq_train import ENV, MODEL, MODES, STOCK
 
 __all__ = ["CLASSES", "OpCensus", "classify_op", "diff_table", "table"]
 
@@ -50,7 +62,8 @@ CLASSES: List[Tuple[str, str]] = [
     ("elementwise/other", r""),
 ]
 #: operators that launch no kernel besides views
-NO_KERNEL = {"_unsafe_view", "_record_function_enter_new", "_record_function_exit", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+NO_KERNEL = {"_unsafe_view", "_record_function_enter_new", "_record_function_exit", "empty",
+             "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
              "lift_fresh", "alias", "resize_", "set_", "_local_scalar_dense", "is_same_size",
              "_has_compatible_shallow_copy_type"}
 #: operators that make the host wait for the device
@@ -217,17 +230,6 @@ def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> D
     """The census of ``count`` updates from update ``first`` on of a CPU fairseq-train run of
     ``mode`` (a mode of :mod:`.fairseq_train`), with the operators a CUDA run would launch
     (updates after an overflow are passed over: :class:`.run_stats.UpdateCensus`)."""
-    import json
-    import os
-    import shlex
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from ..paths import USER_DIR, script
-    from .fairseq_train import ENV, MODES, STOCK
-
     flags = list(MODES[mode])
     if mode in STOCK:
         plugin, task, optimizer = [], "translation", "adam"
@@ -255,18 +257,11 @@ def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> D
 
 def main(argv=None) -> int:
     """``scripts/op_census.py``: the census of each mode on the same model, data and batch."""
-    import argparse
-    import json
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from .fairseq_train import MODEL, MODES
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("data", nargs="?", help="data-bin directory (default: the synthetic corpus)")
     ap.add_argument("--modes", default="fp32,fp16,fp16-cache,fp16-unfused,bf16",
-                    help="modes of scripts/bench_fairseq_train.py (not fp16-stock: stock fairseq --fp16 needs CUDA)")
+                    help="modes of scripts/bench_fairseq_train.py (not fp16-stock: stock "
+                    "fairseq --fp16 needs CUDA)")
     ap.add_argument("--model", default=MODEL, help="fairseq-train's model and batch flags")
     ap.add_argument("--updates", default="3:2", help="FIRST:COUNT updates counted")
     a = ap.parse_args(argv)

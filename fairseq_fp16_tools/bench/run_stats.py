@@ -210,13 +210,14 @@ class UpdateProfiler:
 
 
 class UpdateCensus:
-    """:class:`bench.op_census.OpCensus` over ``count`` ``train_step`` calls from call ``first``
-    on (the optimizer's ``step`` marked as the step phase); the summary (with ``name``) goes to
-    ``out_path`` as JSON after the last of them.
+    """:class:`bench.op_census.OpCensus` counting ``count`` ``train_step`` calls from call
+    ``first`` on (the optimizer's ``step`` marked as the step phase); the summary (with
+    ``name``) goes to ``out_path`` as JSON after the last of them. Every update runs under the
+    census, counted or not, so that a CPU half run's products run in fp32 throughout.
 
     An update that begins with the plugin's non-finite watch armed (the one after an overflow:
-    it checks every module's output, a host sync each) is not counted and the window moves on
-    by one, so the census is of steady-state updates; ``armed_updates_skipped`` says how many.
+    it checks every module's output) is not counted and the window moves on by one, so the
+    census is of steady-state updates; ``armed_updates_skipped`` says how many.
     """
 
     def __init__(self, first: int, count: int, out_path: str, name: str = "") -> None:
