@@ -114,41 +114,58 @@ class CudaPeak:
         return max(self._kept, self.cuda.max_memory_allocated()) / 2**20
 
 
-class UpdateProfiler:
-    """``torch.profiler`` over updates ``first`` .. ``first + count - 1`` of a fairseq run.
+class _UpdateWindow:
+    """Updates ``first`` .. of a fairseq run, by ``Trainer.train_step`` calls counted from 1.
 
     :meth:`install` wraps the ``train_step`` of the trainer that ``fairseq_cli.train.train``
-    receives (the instance's, so the plugin's checks of fairseq's class see it unchanged): the
-    profiler starts as update ``first`` begins and stops as update ``first + count`` begins (or
-    at :meth:`finish`), with the device synchronized at both ends, so the window holds whole
-    updates with the loader and logging between them. The summary (with ``name``) is written
-    to ``out_path`` as JSON.
+    receives (the instance's, so the plugin's checks of fairseq's class see it unchanged) with
+    the subclass's :meth:`wrap`.
     """
+
+    FLAG = ""
 
     def __init__(self, first: int, count: int, out_path: str, name: str = "") -> None:
         if first < 1 or count < 1:
-            raise ValueError(f"--profile-updates FIRST:COUNT needs FIRST >= 1 and COUNT >= 1, "
+            raise ValueError(f"{self.FLAG} FIRST:COUNT needs FIRST >= 1 and COUNT >= 1, "
                              f"got {first}:{count}")
         self.first, self.count, self.out_path, self.name = first, count, out_path, name
         self.calls = 0
-        self.step_ms = []
-        self._prof = None
-        self._start = None
         self.summary = None
 
     def install(self, train_module) -> None:
         """Wrap ``train_module.train`` (``fairseq_cli.train``'s epoch loop)."""
         train_epoch = train_module.train
-        profiler = self
+        window = self
 
         def train(cfg, trainer, *args, **kwargs):
             if "train_step" not in vars(trainer):
-                trainer.train_step = profiler.wrap(trainer.train_step)
+                trainer.train_step = window.wrap(trainer, trainer.train_step)
             return train_epoch(cfg, trainer, *args, **kwargs)
 
         train_module.train = train
 
-    def wrap(self, step):
+    def wrap(self, trainer, step):
+        raise NotImplementedError
+
+
+class UpdateProfiler(_UpdateWindow):
+    """``torch.profiler`` over updates ``first`` .. ``first + count - 1`` of a fairseq run.
+
+    The profiler starts as update ``first`` begins and stops as update ``first + count`` begins (or
+    at :meth:`finish`), with the device synchronized at both ends, so the window holds whole
+    updates with the loader and logging between them. The summary (with ``name``) is written
+    to ``out_path`` as JSON.
+    """
+
+    FLAG = "--profile-updates"
+
+    def __init__(self, first: int, count: int, out_path: str, name: str = "") -> None:
+        super().__init__(first, count, out_path, name)
+        self.step_ms = []
+        self._prof = None
+        self._start = None
+
+    def wrap(self, trainer, step):
         def train_step(*args, **kwargs):
             self.calls += 1
             if self.calls == self.first:
@@ -209,7 +226,7 @@ class UpdateProfiler:
             json.dump(self.summary, f)
 
 
-class UpdateCensus:
+class UpdateCensus(_UpdateWindow):
     """:class:`bench.op_census.OpCensus` counting ``count`` ``train_step`` calls from call
     ``first`` on (the optimizer's ``step`` marked as the step phase); the summary (with
     ``name``) goes to ``out_path`` as JSON after the last of them. Every update runs under the
@@ -220,28 +237,13 @@ class UpdateCensus:
     census is of steady-state updates; ``armed_updates_skipped`` says how many.
     """
 
+    FLAG = "--census-updates"
+
     def __init__(self, first: int, count: int, out_path: str, name: str = "") -> None:
-        if first < 1 or count < 1:
-            raise ValueError(f"--census-updates FIRST:COUNT needs FIRST >= 1 and COUNT >= 1, "
-                             f"got {first}:{count}")
-        self.first, self.count, self.out_path, self.name = first, count, out_path, name
-        self.calls = 0
+        super().__init__(first, count, out_path, name)
         self.counted = 0
         self.skipped = 0
         self.census = None
-        self.summary = None
-
-    def install(self, train_module) -> None:
-        """Wrap ``train_module.train`` (``fairseq_cli.train``'s epoch loop)."""
-        train_epoch = train_module.train
-        census = self
-
-        def train(cfg, trainer, *args, **kwargs):
-            if "train_step" not in vars(trainer):
-                trainer.train_step = census.wrap(trainer, trainer.train_step)
-            return train_epoch(cfg, trainer, *args, **kwargs)
-
-        train_module.train = train
 
     def wrap(self, trainer, step):
         from .op_census import OpCensus
