@@ -12,7 +12,8 @@ bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
 cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss), fp32-fused
-(--fused-loss on) and fp16-cache (--fused-loss cache: the CPU's way on any device), fp16-stock (stock fairseq --fp16, no plugin; CUDA only),
+(--fused-loss on) and fp16-cache (--fused-loss cache: the CPU's way on any
+device), fp16-stock (stock fairseq --fp16, no plugin; CUDA only),
 fp16-fairseq-attn (--attention-path fairseq: fairseq's own attention, the CPU
 default), fp16-compiled / bf16-compiled (--compile-layers) and fp16-workers4
 (--num-workers 4: four batch-loading processes instead of fairseq's one).
@@ -21,7 +22,8 @@ CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for
 --updates updates without validation or checkpoints; ms/update is
 the mean of fairseq's per-interval rate over the intervals after the first.
 The modes run interleaved --repeats times; each reports its median. Prints a
-table and, as its last line, one JSON object.
+table and, as its last line, one JSON object; its ``skipped_updates`` counts each mode's
+updates skipped for overflow (they cost time but fairseq's ups does not count them).
 
 With --profile-dir DIR, --profile-updates more updates run after the timed ones under
 torch.profiler (outside every logged interval) and DIR/MODE.json gets their summary
