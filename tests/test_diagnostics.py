@@ -76,9 +76,14 @@ def test_non_finite_watch_names_the_first_module_only_while_armed():
     with torch.no_grad():
         model[1][0].weight.fill_(float("inf"))
     watch = NonFiniteWatch(model)
+
+    def hooks():
+        return sum(len(m._forward_hooks) for m in model.modules())
+
     model(torch.ones(2, 4))
-    assert watch.first is None  # disarmed: no checks, no syncs
+    assert watch.first is None and hooks() == 0  # disarmed: no hooks, no checks, no syncs
     watch.arm()
+    assert hooks() == 4  # every submodule: 0, 1, 1.0, 1.1
     with HostSyncCounter() as c:
         model(torch.ones(2, 4))
     assert c.count == 0  # armed, the checks queue reductions and wait for nothing
@@ -94,8 +99,10 @@ def test_non_finite_watch_names_the_first_module_only_while_armed():
         model(torch.ones(2, 4))
     assert watch.first["kind"] == "inf" and watch.first["module"] == "1.0"
     watch.disarm()
-    assert watch.first is None
+    assert watch.first is None and hooks() == 0
+    watch.arm()
     watch.remove()
+    assert hooks() == 0
     watch.arm()
     model(torch.ones(2, 4))
     assert watch.first is None  # hooks removed

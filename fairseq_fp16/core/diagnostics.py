@@ -161,14 +161,15 @@ def _float_tensors(out) -> List[torch.Tensor]:
 class NonFiniteWatch:
     """Names the first module whose forward output is not finite.
 
-    Forward hooks on every submodule of ``model``. Disarmed (the default) a
-    hook returns at once; armed, each hook takes the largest magnitude of each
-    of its module's floating-point outputs (one reduction kernel, no host sync:
-    NaN if the output has a NaN, inf if it has an inf), and the first read of
-    :attr:`first` looks through them with one host sync for the first
-    non-finite one, recorded as ``{"module", "type", "dtype", "kind",
-    "shape"}``. Hooks fire when a module's forward returns, so inner modules
-    are seen before the blocks that contain them.
+    Forward hooks on every submodule of ``model`` while armed; disarmed (the
+    default) the model has none, so its modules keep ``nn.Module``'s fast call
+    path (a module with hooks pays for them on every call). Armed, each hook
+    takes the largest magnitude of each of its module's floating-point outputs
+    (one reduction kernel, no host sync: NaN if the output has a NaN, inf if it
+    has an inf), and the first read of :attr:`first` looks through them with
+    one host sync for the first non-finite one, recorded as ``{"module",
+    "type", "dtype", "kind", "shape"}``. Hooks fire when a module's forward
+    returns, so inner modules are seen before the blocks that contain them.
 
     The optimizer arms the watch after an update that overflowed and disarms
     it after a finite one; :meth:`remove` takes the hooks off.
@@ -179,17 +180,14 @@ class NonFiniteWatch:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.armed = False
+        self._model: torch.nn.Module | None = model
         self._first: Dict | None = None
         self._pending: List[tuple] = []  # (max magnitude, module name, type, dtype, shape)
-        self._handles = [
-            module.register_forward_hook(self._hook(name, module))
-            for name, module in model.named_modules()
-            if name
-        ]
+        self._handles: List = []
 
     def _hook(self, name: str, module: torch.nn.Module):
         def hook(_module, _inputs, output):
-            if not self.armed or self._first is not None:
+            if self._first is not None:
                 return
             for t in _float_tensors(output):
                 if t.numel():
@@ -224,17 +222,30 @@ class NonFiniteWatch:
         return self._first
 
     def arm(self) -> None:
-        """Check the next forward passes; forget the previous finding."""
+        """Check the next forward passes (hooks on); forget the previous finding."""
         self.armed = True
         self._first = None
         self._pending = []
+        if self._model is not None and not self._handles:
+            self._handles = [
+                module.register_forward_hook(self._hook(name, module))
+                for name, module in self._model.named_modules()
+                if name
+            ]
 
     def disarm(self) -> None:
+        """Stop checking (hooks off); forget the finding."""
         self.armed = False
         self._first = None
         self._pending = []
+        self._remove_hooks()
 
     def remove(self) -> None:
+        """Take the hooks off for good: a later :meth:`arm` checks nothing."""
+        self._remove_hooks()
+        self._model = None
+
+    def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
