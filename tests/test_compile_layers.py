@@ -1,0 +1,36 @@
+"""--compile-layers in a real fairseq-train run: one set of graphs serves every batch length."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TRAIN, USER_DIR
+
+MODEL = ["--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "2",
+         "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+         "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
+         "--decoder-attention-heads", "2", "--share-all-embeddings"]
+
+
+@pytest.mark.slow
+def test_compiled_layers_do_not_recompile_per_batch_length(toy_data, tmp_path):
+    """The first encoder layer gets a transposed view and the others contiguous tensors; before
+    the compiled forward took contiguous inputs, every new batch length recompiled and after 8
+    the layers ran eagerly for the rest of the run."""
+    cmd = [sys.executable, "-m", "fairseq_cli.train", str(toy_data), *MODEL, *TRAIN,
+           "--user-dir", USER_DIR, "--save-dir", str(tmp_path), "--no-save", "--compile-layers",
+           "--max-update", "30", "--disable-validation"]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env={**os.environ, "TORCH_LOGS": "recompiles"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "the training forward of 4 transformer layers is compiled" in log
+    assert "recompile_limit" not in log
+    lengths = set(re.findall(r"train_inner.*?\"wpb\": \"?([0-9.]+)", log))
+    assert len(lengths) > 8  # more batch shapes than torch's limit of recompiles
+    recompiles = re.findall(r"Recompiling function forward in \S+transformer_layer\.py:(\d+)", log)
+    # the variants only: padding masks present or None, and the decoder's last layer's attention
+    assert len(recompiles) <= 6, recompiles
