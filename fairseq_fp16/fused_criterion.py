@@ -26,14 +26,14 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 from fairseq.models import BaseFairseqModel, FairseqDecoder
 from fairseq.models.transformer import TransformerModelBase
 
-from .core.fused_loss import label_smoothed_nll_from_logits
+from .core.fused_loss import PATHS, label_smoothed_nll_from_logits
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["FUSED_LOSS_CHOICES", "fused_criterion_class", "plain_log_softmax"]
 
 #: auto/on/off, or on with the path forced (core.fused_loss.PATHS; on picks the device's)
-FUSED_LOSS_CHOICES = ("auto", "on", "off", "stream", "cache")
+FUSED_LOSS_CHOICES = ("auto", "on", "off") + PATHS
 
 # get_normalized_probs implementations that end in the decoder's plain log-softmax
 _MODEL_METHODS = {BaseFairseqModel.get_normalized_probs, TransformerModelBase.get_normalized_probs}

@@ -36,6 +36,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from ..core.compile import compile_training_forward
 from ..core.divergence import forward_divergence, summarize_divergence
 from ..core.fp32_islands import apply_fp32_islands
+from ..core.fused_loss import PATHS as FUSED_LOSS_PATHS
 from ..core.half_matmul import NativeHalfProducts, half_matmul_context, resolve_half_matmul
 from ..core.master_weights import tag_param_names
 from ..core.ngram_block import NGramBlock
@@ -202,7 +203,7 @@ def _build_criterion_of(target):
                     "keeping no fp32 log-probabilities", mode,
                     getattr(cfg, "_name", None) or type(criterion).__name__)
         fused_criterion = fused.build_criterion(cfg, self)
-        if mode in ("stream", "cache"):
+        if mode in FUSED_LOSS_PATHS:
             fused_criterion.fused_loss_path = mode
         return fused_criterion
 
