@@ -222,8 +222,8 @@ def diff_table(base: Dict, other: Dict, top: int = 12) -> str:
 
 #: flags that give a CPU run the operators of a CUDA run (``--half-matmul``,
 #: ``--attention-path`` and ``--fused-loss`` pick CPU paths by default; so does the padding)
-AS_ON_CUDA = ["--half-matmul", "native", "--attention-path", "torch", "--cpu-length-multiple", "1",
-              "--fused-loss", "stream"]
+AS_ON_CUDA = {"--half-matmul": "native", "--attention-path": "torch", "--cpu-length-multiple": "1",
+              "--fused-loss": "stream"}
 
 
 def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> Dict:
@@ -236,8 +236,9 @@ def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> D
     else:
         plugin, task, optimizer = ["--user-dir", USER_DIR], "translation_fp16", "fp16_adam"
         if "--fp16" in flags or "--bf16" in flags:
-            flags += [f for i in range(0, len(AS_ON_CUDA), 2) if AS_ON_CUDA[i] not in flags
-                      for f in AS_ON_CUDA[i:i + 2]]
+            for flag, value in AS_ON_CUDA.items():
+                if flag not in flags:  # the mode's own setting wins
+                    flags += [flag, value]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / f"{mode}.json"
         cmd = [sys.executable, script("run_stats.py"), "--census-updates", f"{first}:{count}",

@@ -260,6 +260,7 @@ class UpdateCensus(_UpdateWindow):
             if counting and watch is not None and watch.armed:
                 self.skipped += 1
                 counting = False
+            own_step = vars(optimizer).get("step")  # an instance's own step, put back after
             opt_step = optimizer.step
 
             def marked_step(*a, **k):
@@ -275,7 +276,10 @@ class UpdateCensus(_UpdateWindow):
                 with self.census:
                     return step(*args, **kwargs)
             finally:
-                del optimizer.step  # the class's method again
+                if own_step is None:
+                    del optimizer.step  # the class's method again
+                else:
+                    optimizer.step = own_step
                 self.census.counting = False
                 if counting:
                     self.counted += 1
