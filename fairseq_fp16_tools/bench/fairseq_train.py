@@ -82,6 +82,15 @@ MODEL = ("--arch transformer --encoder-layers 3 --decoder-layers 3 --encoder-emb
          "--encoder-attention-heads 4 --decoder-attention-heads 4 --share-all-embeddings --max-tokens 2048")
 
 
+def parse_modes(ap: argparse.ArgumentParser, text: str):
+    """The modes of a comma-separated ``--modes``; an unknown one is a usage error."""
+    modes = [m for m in text.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
+    return modes
+
+
 class RunFailed(RuntimeError):
     """One mode's run failed; the others still run and the JSON lists it under "failed"."""
 
@@ -142,10 +151,7 @@ def main(argv=None):
                     help="updates for fp16-native / bf16-native on a CPU without units for their "
                     "dtype (slow; run once, not --repeats times)")
     a = ap.parse_args(argv)
-    modes = [m for m in a.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        ap.error(f"--modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
+    modes = parse_modes(ap, a.modes)
     if a.updates < 10 or a.updates % 5:
         ap.error(f"--updates must be a multiple of 5 (the log interval), at least 10; got {a.updates}")
     if a.profile_dir:

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..paths import USER_DIR, script
-from .fairseq_train import ENV, MODEL, MODES, STOCK
+from .fairseq_train import ENV, MODEL, MODES, STOCK, parse_modes
 
 __all__ = ["CLASSES", "OpCensus", "classify_op", "diff_table", "table"]
 
@@ -266,10 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=MODEL, help="fairseq-train's model and batch flags")
     ap.add_argument("--updates", default="3:2", help="FIRST:COUNT updates counted")
     a = ap.parse_args(argv)
-    modes = [m for m in a.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        ap.error(f"--modes: unknown {', '.join(bad)}; valid: {', '.join(MODES)}")
+    modes = parse_modes(ap, a.modes)
     try:
         first, count = (int(x) for x in a.updates.split(":"))
     except ValueError:
