@@ -30,7 +30,7 @@ def test_compiled_layers_do_not_recompile_per_batch_length(toy_data, tmp_path):
     assert "the training forward of 4 transformer layers is compiled" in log
     assert "recompile_limit" not in log
     lengths = set(re.findall(r"train_inner.*?\"wpb\": \"?([0-9.]+)", log))
-    assert len(lengths) > 8  # more batch shapes than torch's limit of recompiles
+    assert len(lengths) > 8  # batches of more sizes than torch's limit of recompiles (8)
     recompiles = re.findall(r"Recompiling function forward in \S+transformer_layer\.py:(\d+)", log)
     # the variants only: padding masks present or None, and the decoder's last layer's attention
     assert len(recompiles) <= 6, recompiles
