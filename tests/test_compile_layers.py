@@ -1,4 +1,5 @@
-"""--compile-layers in a real fairseq-train run: one set of graphs serves every batch length."""
+"""--compile-layers in a real fairseq-train run: one set of graphs serves every batch length and
+every layer of a kind."""
 
 import os
 import re
@@ -9,17 +10,19 @@ import pytest
 
 from conftest import TRAIN, USER_DIR
 
-MODEL = ["--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "2",
+MODEL = ["--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "3",
          "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
          "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
          "--decoder-attention-heads", "2", "--share-all-embeddings"]
 
 
 @pytest.mark.slow
-def test_compiled_layers_do_not_recompile_per_batch_length(toy_data, tmp_path):
+def test_compiled_layers_do_not_recompile_per_batch_length_or_layer(toy_data, tmp_path):
     """The first encoder layer gets a transposed view and the others contiguous tensors; before
     the compiled forward took contiguous inputs, every new batch length recompiled and after 8
-    the layers ran eagerly for the rest of the run."""
+    the layers ran eagerly for the rest of the run. Each decoder layer's attention has its own
+    random incremental-state id; before the lookup stopped reading it without a state, each
+    decoder layer compiled graphs of its own."""
     cmd = [sys.executable, "-m", "fairseq_cli.train", str(toy_data), *MODEL, *TRAIN,
            "--user-dir", USER_DIR, "--save-dir", str(tmp_path), "--no-save", "--compile-layers",
            "--max-update", "30", "--disable-validation"]
@@ -27,10 +30,11 @@ def test_compiled_layers_do_not_recompile_per_batch_length(toy_data, tmp_path):
                           env={**os.environ, "TORCH_LOGS": "recompiles"})
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
-    assert "the training forward of 4 transformer layers is compiled" in log
+    assert "the training forward of 5 transformer layers is compiled" in log
     assert "recompile_limit" not in log
     lengths = set(re.findall(r"train_inner.*?\"wpb\": \"?([0-9.]+)", log))
     assert len(lengths) > 8  # batches of more sizes than torch's limit of recompiles (8)
     recompiles = re.findall(r"Recompiling function forward in \S+transformer_layer\.py:(\d+)", log)
     # the variants only: padding masks present or None, and the decoder's last layer's attention
+    assert "_incremental_state_id" not in log
     assert len(recompiles) <= 6, recompiles

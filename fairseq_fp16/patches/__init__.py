@@ -15,18 +15,20 @@ none: a fairseq whose source differs is refused with the patch and statement nam
 Modules, by what they patch: :mod:`.trainer`, :mod:`.checkpoints`, :mod:`.distributed`,
 :mod:`.options`, :mod:`.prefetch` and :mod:`.run` (fairseq's trainer, checkpoint files,
 distributed start-up, option parsing, batch-prefetch threads and commands), :mod:`.tasks`
-(the task base classes: the precision features for every task). Outside fairseq, the plugin
+(the task base classes: the precision features for every task), :mod:`.incremental_state`
+(the decoding-state lookup, for ``--compile-layers``). Outside fairseq, the plugin
 adds ``argparse.Namespace`` to torch's weights-only allow-list (:mod:`fairseq_fp16.safe_load`).
 """
 
 from __future__ import annotations
 
-from . import checkpoints, distributed, options, prefetch, run, tasks, trainer
+from . import checkpoints, distributed, incremental_state, options, prefetch, run, tasks, trainer
 from .registry import GROUPS, REGISTRY, Patch
 
 __all__ = ["GROUPS", "REGISTRY", "Patch", "describe", "install", "is_installed", "uninstall"]
 
-for _module in (trainer, checkpoints, distributed, options, prefetch, run, tasks):
+for _module in (trainer, checkpoints, distributed, options, prefetch, run, tasks,
+                incremental_state):
     for _patch in _module.PATCHES:
         REGISTRY.add(_patch)
 
