@@ -116,6 +116,8 @@ class LossScaler:
             )
         if scale_factor <= 1:
             raise ValueError(f"scale_factor must be > 1, got {scale_factor}")
+        if scale_window >= 2**31:
+            raise ValueError(f"scale_window must be < 2**31, got {scale_window}")
         self.dynamic = dynamic
         self.init_scale = float(init_scale)
         self.scale_window = int(scale_window)
@@ -132,12 +134,18 @@ class LossScaler:
         # Device state: every field of state_dict() below.
         self._scale = torch.full((), self.init_scale, **f32)
         self._prev_scale = torch.full((), self.init_scale, **f32)  # before the last update
-        self._clean_steps = torch.zeros((), **i64)  # since last overflow or growth
+        # since the last overflow or growth; int32, as torch's fused scale update counts
+        self._clean_steps = torch.zeros((), dtype=torch.int32, device=dev)
         self._hysteresis_left = torch.full((), self.hysteresis, **i64)
         self._overflows_since_rescale = torch.zeros((), **i64)
         self._steps_since_rescale = torch.zeros((), **i64)
         self._num_overflows = torch.zeros((), **i64)
         self._num_updates = torch.zeros((), **i64)
+        # fairseq's defaults (every overflow backs off, no floor) with a factor whose inverse is
+        # exact: the scale moves as torch's GradScaler moves it, in its one fused kernel
+        self._fusable = (dynamic and self.tolerance <= 0 and self.hysteresis == 1
+                         and self.threshold is None and math.frexp(self.scale_factor)[0] == 0.5)
+        self._fused = self._fusable
 
     # ------------------------------------------------------------------ hot path
     @property
@@ -154,12 +162,16 @@ class LossScaler:
 
         Runs entirely on the device (no host sync).
         """
-        overflow = found_inf.reshape(()).to(self._scale.device) > 0
-        ov = overflow.long()
+        found = found_inf.reshape(()).to(self._scale.device)
+        overflow = found > 0
         self._num_updates.add_(1)
-        self._num_overflows.add_(ov)
+        self._num_overflows.add_(overflow)
         if not self.dynamic:
             return
+        if self._fused:
+            self._fused_update(found.float(), overflow)
+            return
+        ov = overflow.long()
         self._prev_scale.copy_(self._scale)
         self._steps_since_rescale.add_(1)
         self._overflows_since_rescale.add_(ov)
@@ -183,6 +195,20 @@ class LossScaler:
         self._steps_since_rescale.masked_fill_(back_off | grow, 0)
         self._overflows_since_rescale.masked_fill_(back_off, 0)
         self._hysteresis_left.masked_fill_(grow, self.hysteresis)
+
+    def _fused_update(self, found: torch.Tensor, overflow: torch.Tensor) -> None:
+        """:meth:`update`'s dynamic part in 12 kernels rather than 30: an update on a fast GPU
+        is bound by the host's launches. Every overflow backs off here, so the counters of
+        the tolerance and the hysteresis follow from whether the scale was rescaled."""
+        self._prev_scale.copy_(self._scale)
+        torch._amp_update_scale_(self._scale, self._clean_steps, found, self.scale_factor,
+                                 1.0 / self.scale_factor, self.scale_window)
+        # the ceiling (GradScaler has none): a growth stops at max_scale, or where it started
+        torch.minimum(self._scale, self._prev_scale.clamp(min=self.max_scale), out=self._scale)
+        rescaled = self._clean_steps == 0  # a back-off or a growth restarts the count
+        self._steps_since_rescale.add_(1).masked_fill_(rescaled, 0)
+        self._overflows_since_rescale.masked_fill_(overflow, 0)
+        self._hysteresis_left.masked_fill_(rescaled, 1).masked_fill_(overflow, 0)
 
     # ------------------------------------------------------ reads (host syncs)
     @property
@@ -234,6 +260,9 @@ class LossScaler:
             self._scale.fill_(float(state["scale"]))
             self._prev_scale.fill_(float(state.get("prev_scale", state["scale"])))
             self._clean_steps.fill_(int(state["clean_steps"]))
+            # torch's fused update grows at exactly scale_window clean steps; a checkpoint of a
+            # longer window can hold more (a shorter --fp16-scale-window on resume)
+            self._fused = self._fusable and int(state["clean_steps"]) < self.scale_window
             self._hysteresis_left.fill_(
                 min(int(state["hysteresis_left"]), self.hysteresis)
             )

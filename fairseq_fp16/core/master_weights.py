@@ -74,6 +74,7 @@ class MixedPrecisionOptimizer:
         self.fused_amp = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
         device = self.model_params[0].device
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self._one = torch.ones((), dtype=torch.float32, device=device)
         self._multiplier: float | torch.Tensor = 1.0
         self._inv_scale: Optional[torch.Tensor] = None  # unscale * clip factor
         self._grads_synced = False  # master grads hold this step's gradients
@@ -111,11 +112,12 @@ class MixedPrecisionOptimizer:
         """
         self._sync_master_grads()
         device = self._found_inf.device
-        # 1/scale in fp64: exact for the power-of-two scales, and correctly rounded
-        # to fp32 for any other (a --threshold-loss-scale floor, a tolerance).
-        inv = (1.0 / self.scaler.scale_tensor.double()).float()
+        # 1/scale: an IEEE division, exact for the power-of-two scales and correctly rounded
+        # for any other (a --threshold-loss-scale floor, a tolerance)
+        inv = torch.reciprocal(self.scaler.scale_tensor)
         mult = self._multiplier
-        inv = inv * (mult.to(device).float() if torch.is_tensor(mult) else float(mult))
+        if torch.is_tensor(mult) or mult != 1.0:
+            inv = inv * (mult.to(device).float() if torch.is_tensor(mult) else float(mult))
         normed = [m.grad for m in self.master_params if m.grad is not None and not hasattr(m, "expert")]
         experts = [m.grad for m in self.master_params if m.grad is not None and hasattr(m, "expert")]
         if normed:
@@ -124,11 +126,12 @@ class MixedPrecisionOptimizer:
         else:
             total = torch.zeros((), device=device)
         total = total * inv
-        finite = torch.isfinite(total)
+        checked = [total]
         if experts:  # outside the norm, but an overflow there still skips the update
-            expert_norms = torch.stack([n.to(device) for n in torch._foreach_norm(experts, 2)])
-            finite = finite & torch.isfinite(expert_norms).all()
-        self._found_inf.copy_((~finite).float())
+            checked.append(torch.stack([n.to(device) for n in torch._foreach_norm(experts, 2)]))
+        # found_inf = 1 where the (unscaled) norm is not finite, in one kernel (the factor is 1)
+        self._found_inf.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(checked, self._found_inf, self._one)
         if max_norm > 0:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
             coef = torch.nan_to_num(coef, nan=1.0, posinf=1.0, neginf=1.0)
@@ -170,7 +173,7 @@ class MixedPrecisionOptimizer:
         master_grads = self._sync_master_grads()
         if self.fused_amp:
             # The kernel divides by grad_scale and skips the update on found_inf.
-            self.optimizer.grad_scale = 1.0 / self._inv_scale
+            self.optimizer.grad_scale = torch.reciprocal(self._inv_scale)
             self.optimizer.found_inf = self._found_inf
             try:
                 self.optimizer.step()

@@ -1,10 +1,13 @@
 """LossScaler semantics: growth, back-off, hysteresis, tolerance, static, minimum, state."""
 
+import random
+
 import pytest
 import torch
 
 from fairseq_fp16.core.host_sync import HostSyncCounter
 from fairseq_fp16.core.loss_scaler import LossScaler, parse_loss_scale
+from fairseq_fp16_tools.bench.op_census import OpCensus
 
 CLEAN = torch.tensor(0.0)
 OVERFLOW = torch.tensor(1.0)
@@ -75,6 +78,48 @@ def test_update_costs_no_host_sync():
             s.update(f)
             s.scale(torch.ones(()))
     assert c.count == 0
+
+
+def unfused(scaler):
+    scaler._fused = False  # the general update, kernel by kernel
+    return scaler
+
+
+@pytest.mark.parametrize("init,window,max_scale", [
+    (128.0, 3, None), (100.0, 2, None), (3 * 2.0**125, 1, None),  # past the ceiling of 2**127
+    (2.0**20, 2, 2.0**24), (2.0**30, 1, 2.0**24),  # bf16's ceiling; a scale above it
+])
+def test_the_fused_update_moves_every_counter_as_the_general_one(init, window, max_scale):
+    """fairseq's default settings take torch's fused scale update; the scale, its counters and the
+    state a checkpoint saves follow the general update's, update by update."""
+    rng = random.Random(window)
+    fused = LossScaler(init, scale_window=window, max_scale=max_scale)
+    general = unfused(LossScaler(init, scale_window=window, max_scale=max_scale))
+    assert fused._fused
+    for _ in range(200):
+        flag = OVERFLOW if rng.random() < 0.3 else CLEAN
+        fused.update(flag)
+        general.update(flag)
+        assert fused.state_dict() == general.state_dict()
+
+
+def test_the_fused_update_launches_under_half_the_kernels():
+    counts = {}
+    for name, scaler in (("fused", LossScaler(8.0)), ("general", unfused(LossScaler(8.0)))):
+        with OpCensus() as census:
+            scaler.update(OVERFLOW)
+        counts[name] = census.summary(1)["launches"]
+    assert counts["fused"] <= 13 and counts["general"] >= 2 * counts["fused"], counts
+
+
+def test_a_checkpoint_past_a_shorter_window_grows_at_the_next_clean_update():
+    """torch's fused update grows at exactly the window; a saved count past a window shortened on
+    resume takes the general update, which grows at once, as fairseq's scaler does."""
+    long_window = LossScaler(8.0, scale_window=10)
+    run(long_window, ".....")
+    resumed = LossScaler(8.0, scale_window=3)
+    resumed.load_state_dict(long_window.state_dict())
+    assert run(resumed, "..") == [16, 16]
 
 
 def test_state_round_trip_restores_every_counter():
