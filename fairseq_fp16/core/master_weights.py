@@ -70,6 +70,11 @@ class MixedPrecisionOptimizer:
                 self.master_params.append(p)
             else:
                 raise ValueError(f"unsupported parameter dtype {p.dtype}")
+        # the lists each step walks, built once: an update on a fast GPU is bound by the host
+        self._half_models = [p for p, _ in self._half_pairs]
+        self._half_masters = [m for _, m in self._half_pairs]
+        self._normed = [m for m in self.master_params if not hasattr(m, "expert")]
+        self._experts = [m for m in self.master_params if hasattr(m, "expert")]
         self.optimizer = build_optimizer(self.master_params)
         self.fused_amp = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
         device = self.model_params[0].device
@@ -118,8 +123,8 @@ class MixedPrecisionOptimizer:
         mult = self._multiplier
         if torch.is_tensor(mult) or mult != 1.0:
             inv = inv * (mult.to(device).float() if torch.is_tensor(mult) else float(mult))
-        normed = [m.grad for m in self.master_params if m.grad is not None and not hasattr(m, "expert")]
-        experts = [m.grad for m in self.master_params if m.grad is not None and hasattr(m, "expert")]
+        normed = [m.grad for m in self._normed if m.grad is not None]
+        experts = [m.grad for m in self._experts if m.grad is not None]
         if normed:
             norms = torch._foreach_norm(normed, 2)
             total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
@@ -212,9 +217,8 @@ class MixedPrecisionOptimizer:
 
     def _copy_masters_to_model(self) -> None:
         if self._half_pairs:
-            torch._foreach_copy_(
-                [p.data for p, _ in self._half_pairs], [m.data for _, m in self._half_pairs]
-            )
+            with torch.no_grad():
+                torch._foreach_copy_(self._half_models, self._half_masters)
 
     def skip_step(self) -> None:
         """Record an overflowed update without stepping (the caller detected it)."""

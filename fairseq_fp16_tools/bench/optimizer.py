@@ -7,7 +7,10 @@ For each size, in one process: the time of one mixed-precision step of
 fp32 master grads -> fused AdamW on fp32 masters -> fp16 copy back), of torch's
 fused ``AdamW`` on fp32 parameters, and of a plain memory copy; the bytes each
 step must move, the achieved GB/s and its ratio to the copy bandwidth; and the
-host syncs one wrapper step makes (counted with HostSyncCounter).
+host syncs one wrapper step makes (counted with HostSyncCounter). Then the fixed cost: the
+same step on a transformer's count of tiny tensors (200 of 16 parameters), where the time is
+the host's launches and the kernels' latency, not bandwidth, and the kernels it launches
+(counted with OpCensus).
 
 Bytes per parameter: wrapper 44 (grad copy fp16 -> fp32 2+4; norm reads the
 fp32 grads 4; fused AdamW reads param/grad/m/v 16 and writes param/m/v 12;
@@ -26,6 +29,8 @@ from fairseq_fp16.core.adam import build_adam
 from fairseq_fp16.core.host_sync import HostSyncCounter
 from fairseq_fp16.core.loss_scaler import LossScaler
 from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer
+
+from .op_census import OpCensus
 
 CHUNK = 1 << 20  # parameters per tensor (a transformer has many mid-sized tensors)
 WRAPPER_BYTES_PER_PARAM = 44
@@ -59,10 +64,8 @@ def tensors(n, dtype, device, fill=None):
     return out
 
 
-def bench(n, device, steps):
-    # mixed precision: fp16 model params with fp16 grads
-    half = [torch.nn.Parameter(t) for t in tensors(n, torch.float16, device)]
-    grads = tensors(n, torch.float16, device, fill=1e-3)
+def wrapper_step(half, grads, device):
+    """One step of the mixed-precision wrapper over ``half`` (fp16 parameters) with ``grads``."""
     scaler = LossScaler(1024.0, scale_window=10**9, device=device)
     opt = MixedPrecisionOptimizer(half, lambda ps: build_adam(ps, lr=1e-4, weight_decay=0.01), scaler)
 
@@ -72,6 +75,26 @@ def bench(n, device, steps):
         opt.clip_grad_norm(1.0)
         opt.step()
 
+    return opt, mixed_step
+
+
+def fixed_cost(device, steps, count=200, size=16):
+    """ms and kernel launches of a wrapper step over ``count`` tensors of ``size`` parameters."""
+    half = [torch.nn.Parameter(torch.randn(size, device=device).half()) for _ in range(count)]
+    grads = [torch.full((size,), 1e-3, dtype=torch.float16, device=device) for _ in range(count)]
+    _, mixed_step = wrapper_step(half, grads, device)
+    ms = timed(mixed_step, max(steps, 50), device)
+    with OpCensus() as census:
+        mixed_step()
+    return {"tensors": count, "params": count * size, "step_ms": round(ms, 3),
+            "launches": census.summary(1)["launches"]}
+
+
+def bench(n, device, steps):
+    # mixed precision: fp16 model params with fp16 grads
+    half = [torch.nn.Parameter(t) for t in tensors(n, torch.float16, device)]
+    grads = tensors(n, torch.float16, device, fill=1e-3)
+    opt, mixed_step = wrapper_step(half, grads, device)
     mixed_ms = timed(mixed_step, steps, device)
     with HostSyncCounter() as counter:
         mixed_step()
@@ -124,12 +147,15 @@ def main(argv=None):
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     rows = [bench(int(float(s)), device, a.steps) for s in a.params.split(",")]
+    fixed = fixed_cost(device, a.steps)
     print(f"{'params':>11} {'wrapper ms':>11} {'GB/s':>7} {'copy GB/s':>10} {'x copy':>7} "
           f"{'syncs':>6} {'AdamW32 ms':>11} {'x copy':>7} {'wrapper/AdamW':>14}")
     for r in rows:
         print(f"{r['params']:>11,} {r['step_ms']:>11.2f} {r['achieved_gbps']:>7.2f} {r['copy_gbps']:>10.2f} "
               f"{r['ratio_to_copy']:>7.2f} {r['host_syncs_per_step']:>6} {r['fp32_fused_adamw_ms']:>11.2f} "
               f"{r['fp32_adamw_ratio_to_copy']:>7.2f} {r['wrapper_over_adamw']:>14.2f}")
+    print(f"fixed cost: {fixed['step_ms']:.3f} ms a step over {fixed['tensors']} tensors of "
+          f"{fixed['params'] // fixed['tensors']} parameters, {fixed['launches']:.0f} kernel launches")
     print(json.dumps({"device": str(device), "torch": torch.__version__,
-                      "threads": torch.get_num_threads(), "results": rows}))
+                      "threads": torch.get_num_threads(), "results": rows, "fixed": fixed}))
 
