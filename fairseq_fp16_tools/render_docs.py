@@ -308,6 +308,13 @@ def optimizer_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                      "fused fp32 AdamW ms", "step / AdamW"], rows)
 
 
+def optimizer_fixed_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bench_optimizer.py's fixed cost: a step over many tiny tensors."""
+    rows = [[machine_of(path), d["fixed"]["tensors"], f"{d['fixed']['params']:,}", num(d["fixed"]["step_ms"]),
+             f"{d['fixed']['launches']:.0f}"] for d, path in zip(data, paths)]
+    return md_table(["machine", "tensors", "params", "step ms", "kernel launches"], rows)
+
+
 def half_matmul_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/bench_half_matmul.py: each variant's step time against fp32, one column per model
     and machine."""
@@ -409,6 +416,8 @@ TABLES: Dict[str, Table] = {
     "optimizer": Table(tuple(f"{BENCH}/{m}/optimizer.json" for m in ("avx512-epyc", "avx2-epyc", "amx-xeon"))
                        + (f"{BENCH}/h200/ab-16k/optimizer.json",),
                        "python scripts/bench_optimizer.py --params 1e6,1e7,1e8 [--device cuda]", optimizer_rows),
+    "optimizer-fixed": Table((f"{BENCH}/avx512-epyc/optimizer.json",),
+                             "python scripts/bench_optimizer.py [--device cuda]", optimizer_fixed_rows),
     "avx2-train": Table((f"{BENCH}/avx2-epyc/fairseq_train.json",),
                         "python scripts/bench_fairseq_train.py --modes fp32,fp16,bf16 --repeats 3", train_rows),
     "half-matmul": Table(tuple(f"{BENCH}/avx2-epyc/half_matmul_{m}.json" for m in ("fairseq", "fconv", "lstm"))
