@@ -92,3 +92,14 @@ def test_the_benchmark_reads_the_overflow_skips_from_the_log():
            "loss_scale=16, skipped=3, train_wall=4\n")
     assert skipped_updates(log) == 3
     assert skipped_updates("2026 | INFO | train_inner | epoch 001: loss=3.1, ups=2.0") == 0
+
+
+def test_a_stalled_interval_does_not_move_the_benchmarks_rate():
+    """A compiled mode recompiles when a new input variant first comes (a batch without padding),
+    stalling one interval; the figure is the median interval after the first (start-up)."""
+    from fairseq_fp16_tools.bench.fairseq_train import interval_rates
+
+    log = "".join(f"2026 | INFO | train_inner | epoch 001: loss=3.1, wps={w}, ups={u}, wpb=900\n"
+                  for u, w in ((0.5, 450), (10.0, 9000), (10.5, 9450), (0.4, 360), (9.5, 8550)))
+    ms, wps = interval_rates(log)
+    assert ms == pytest.approx(1000 / 9.75) and wps == pytest.approx(8775)

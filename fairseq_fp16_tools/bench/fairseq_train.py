@@ -20,7 +20,8 @@ default), fp16-compiled / bf16-compiled (--compile-layers) and fp16-workers4
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
 CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for
 --updates updates without validation or checkpoints; ms/update is
-the mean of fairseq's per-interval rate over the intervals after the first.
+the median of fairseq's per-interval rate over the intervals after the first (a compiled
+mode's recompile for a new input variant stalls one interval, not the figure).
 The modes run interleaved --repeats times; each reports its median. Prints a
 table and, as its last line, one JSON object; its ``skipped_updates`` counts each mode's
 updates skipped for overflow (they cost time but fairseq's ups does not count them).
@@ -125,15 +126,21 @@ def run(data, mode, updates, model, device, profile=None):
             raise RunFailed(f"fairseq-train ({mode}) failed:\n{out.stderr[-3000:]}")
         peak = json.loads(stats.read_text())
     text = out.stdout + out.stderr
-    ups = [float(x) for x in re.findall(r"\| train_inner \|.* ups=([0-9.]+)", text)][1:]
-    wps = [float(x) for x in re.findall(r"\| train_inner \|.* wps=([0-9.]+)", text)][1:]
-    if not ups:
+    intervals = len(re.findall(r"\| train_inner \|", text))
+    if intervals < 2:
         raise RunFailed(f"fairseq-train ({mode}): no train_inner records; raise --updates")
-    if profile and len(ups) + 1 != updates // 5:
+    if profile and intervals != updates // 5:
         raise RunFailed(f"fairseq-train ({mode}): the profiled updates reached a logged interval")
     mem = peak["peak_cuda_mb"] if peak["peak_cuda_mb"] else peak["peak_rss_mb"]
-    return (1000.0 / (sum(ups) / len(ups)), sum(wps) / len(wps), mem, skipped_updates(text),
-            peak.get("machine"))
+    return (*interval_rates(text), mem, skipped_updates(text), peak.get("machine"))
+
+
+def interval_rates(text: str):
+    """(ms/update, words/s): the medians of fairseq's train_inner rates after the first interval,
+    which holds the start-up."""
+    ups = [float(x) for x in re.findall(r"\| train_inner \|.* ups=([0-9.]+)", text)][1:]
+    wps = [float(x) for x in re.findall(r"\| train_inner \|.* wps=([0-9.]+)", text)][1:]
+    return 1000.0 / statistics.median(ups), statistics.median(wps)
 
 
 def main(argv=None):
