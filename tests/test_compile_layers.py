@@ -25,6 +25,7 @@ def test_compiled_layers_do_not_recompile_per_batch_length_or_layer(toy_data, tm
     decoder layer compiled graphs of its own."""
     cmd = [sys.executable, "-m", "fairseq_cli.train", str(toy_data), *MODEL, *TRAIN,
            "--user-dir", USER_DIR, "--save-dir", str(tmp_path), "--no-save", "--compile-layers",
+           "--fused-loss", "on",
            "--max-update", "30", "--disable-validation"]
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           env={**os.environ, "TORCH_LOGS": "recompiles"})
@@ -32,6 +33,7 @@ def test_compiled_layers_do_not_recompile_per_batch_length_or_layer(toy_data, tm
     assert proc.returncode == 0, log[-3000:]
     assert "the training forward of 5 transformer layers is compiled" in log
     assert "recompile_limit" not in log
+    assert "in fp32 chunks (the compiled path)" in log  # compiled layers take the compiled loss
     lengths = set(re.findall(r"train_inner.*?\"wpb\": \"?([0-9.]+)", log))
     assert len(lengths) > 8  # batches of more sizes than torch's limit of recompiles (8)
     recompiles = re.findall(r"Recompiling function forward in \S+transformer_layer\.py:(\d+)", log)

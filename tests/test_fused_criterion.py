@@ -154,9 +154,12 @@ def test_fairseq_train_with_the_fused_loss_logs_fairseqs_losses(toy_data, tmp_pa
     _, stock = train(toy_data, tmp_path / "stock", "--fp16", *flags, "--fused-loss", "off")
     proc, stream = train(toy_data, tmp_path / "stream", "--fp16", *flags, "--fused-loss", "stream")
     assert "--fused-loss stream: label_smoothed_cross_entropy computes" in proc.stderr + proc.stdout
-    assert len(fused) == len(stock) == len(stream) == 20
-    for a, b, c in zip(fused, stock, stream):  # the CPU's cache path, fairseq's loss, CUDA's path
-        assert abs(a["loss"] - b["loss"]) <= 0.002 and abs(a["nll_loss"] - b["nll_loss"]) <= 0.002, (a, b)
-        assert abs(c["loss"] - b["loss"]) <= 0.002 and abs(c["nll_loss"] - b["nll_loss"]) <= 0.002, (c, b)
+    proc, compiled = train(toy_data, tmp_path / "compiled", "--fp16", *flags, "--fused-loss", "compiled")
+    assert "in fp32 chunks (the compiled path)" in proc.stderr + proc.stdout
+    assert len(fused) == len(stock) == len(stream) == len(compiled) == 20
+    # the CPU's cache path, CUDA's stream path and the compiled one against fairseq's loss
+    for b, *ours in zip(stock, fused, stream, compiled):
+        for a in ours:
+            assert abs(a["loss"] - b["loss"]) <= 0.002 and abs(a["nll_loss"] - b["nll_loss"]) <= 0.002, (a, b)
     proc, _ = train(toy_data, tmp_path / "fp32", *flags)  # auto: fp32 keeps fairseq's loss
     assert "--fused-loss" not in proc.stderr + proc.stdout

@@ -27,7 +27,12 @@ Two ways through the chunks, one per kind of device (``path``):
   reads the half logits, on CUDA) with a gather and a row sum; the backward pass is
   ``softmax(chunk, dtype=float32)`` and one ``addcmul`` that writes the half gradient, the
   target entries set from the gathered probabilities. About 30 bytes move per logit where
-  the ``cache`` steps would move about 90 (``tests/core/test_fused_loss.py`` counts them).
+  the ``cache`` steps would move about 90 (``tests/core/test_fused_loss.py`` counts them);
+* ``compiled``: the same arithmetic as the cache path, each pass compiled with
+  ``torch.compile`` into kernels that read the half logits and write only per-row numbers
+  (forward) or the half gradient (backward). No fp32 chunk exists, so one chunk takes all the
+  rows; about 8 bytes move per logit and an update launches a handful of kernels for the loss.
+  The first batch pays the compilation (CPU: a C++ compiler).
 
 The numbers are fairseq's ``label_smoothed_nll_loss`` (``epsilon = 0``: the plain
 negative log-likelihood of ``cross_entropy``): the same fp32 arithmetic on the same
@@ -37,10 +42,11 @@ upcast values, up to the order of fp32 additions.
 from typing import Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["PATHS", "label_smoothed_nll_from_logits", "chunk_rows", "default_path"]
 
-PATHS = ("cache", "stream")
+PATHS = ("cache", "stream", "compiled")
 
 # fp32 elements upcast at a time: for the cache path a chunk that stays in a CPU core's L2
 # cache; for the stream path few chunks: each costs 8 kernel launches (forward and backward),
@@ -48,6 +54,8 @@ PATHS = ("cache", "stream")
 # (512 MB of fp32) is 4 chunks for 16k target tokens and a 32k vocabulary.
 CPU_CHUNK_ELEMENTS = 1 << 19
 CUDA_CHUNK_ELEMENTS = 1 << 27
+# the compiled path keeps no fp32 chunk; its chunks only keep kernels' element offsets in int32
+COMPILED_CHUNK_ELEMENTS = 1 << 30
 
 
 def default_path(device: torch.device) -> str:
@@ -58,7 +66,8 @@ def default_path(device: torch.device) -> str:
 def chunk_rows(vocab_size: int, device: torch.device, path: Optional[str] = None) -> int:
     """Rows of logits upcast to fp32 at a time."""
     path = path or default_path(device)
-    elements = CUDA_CHUNK_ELEMENTS if path == "stream" else CPU_CHUNK_ELEMENTS
+    elements = {"stream": CUDA_CHUNK_ELEMENTS, "compiled": COMPILED_CHUNK_ELEMENTS}.get(
+        path, CPU_CHUNK_ELEMENTS)
     return max(1, elements // max(1, vocab_size))
 
 
@@ -170,7 +179,61 @@ class _StreamChunks(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-_FUNCTIONS = {"cache": _CacheChunks, "stream": _StreamChunks}
+def _rows_forward(x, target):
+    """(lse, nll, smooth) of each row of ``x``, in fp32: the cache path's arithmetic."""
+    lse = torch.logsumexp(x.float(), dim=-1)
+    lprobs = x.float() - lse[:, None]
+    return lse, lprobs.gather(-1, target[:, None]).squeeze(-1).neg(), lprobs.sum(-1).neg()
+
+
+def _rows_backward(x, target, lse, coef, w_s, w_t):
+    """The gradient rows ``coef * p - w_s - w_t * onehot(target)``, rounded to ``x.dtype`` once."""
+    g = torch.exp(x.float() - lse[:, None]) * coef[:, None] - w_s[:, None]
+    hit = torch.arange(x.size(-1), device=x.device)[None, :] == target[:, None]
+    return torch.where(hit, g - w_t[:, None], g).to(x.dtype)
+
+
+_compiled = {}
+
+
+def _run_compiled(fn, *args):
+    """``fn`` compiled (once), called with the Python dispatch modes set aside: torch.compile
+    runs no frame under one, and would run ``fn`` eagerly from then on. (The plugin's check of
+    the CPU's half products is one; these functions make no products.)"""
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    with _disable_current_modes():
+        return _compiled[fn](*args)
+
+
+class _CompiledChunks(torch.autograd.Function):
+    """As :class:`_CacheChunks`, the ``compiled`` path."""
+
+    @staticmethod
+    def forward(ctx, logits, target, epsilon, ignore_index, rows):
+        n, vocab = logits.shape
+        parts = [_run_compiled(_rows_forward, logits[start:start + rows], target[start:start + rows])
+                 for start in range(0, n, rows)]
+        lse, nll, smooth = (torch.cat(p) if len(parts) > 1 else p[0] for p in zip(*parts))
+        loss, nll_sum, keep = _loss_from_rows(nll, smooth, target, epsilon, ignore_index, vocab)
+        ctx.save_for_backward(logits, target, lse, keep)
+        ctx.epsilon, ctx.rows = epsilon, rows
+        return loss, nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        logits, target, lse, keep = ctx.saved_tensors
+        n, vocab = logits.shape
+        w_t, w_s, coef_p = _row_weights(ctx, grad_loss, grad_nll, vocab)
+        kept = keep.float() if keep is not None else lse.new_ones(n)
+        coef, w_s, w_t = coef_p * kept, w_s * kept, w_t * kept  # per row: padding weighs nothing
+        grads = [_run_compiled(_rows_backward, logits[rows], target[rows], lse[rows], coef[rows],
+                               w_s[rows], w_t[rows])
+                 for rows in (slice(start, start + ctx.rows) for start in range(0, n, ctx.rows))]
+        return torch.cat(grads) if len(grads) > 1 else grads[0], None, None, None, None
+
+
+_FUNCTIONS = {"cache": _CacheChunks, "stream": _StreamChunks, "compiled": _CompiledChunks}
 
 
 def label_smoothed_nll_from_logits(
@@ -189,7 +252,7 @@ def label_smoothed_nll_from_logits(
         epsilon: label smoothing (0: the negative log-likelihood).
         ignore_index: rows whose target equals it count for nothing (fairseq's padding).
         rows: rows upcast to fp32 at a time (default: :func:`chunk_rows`).
-        path: ``cache`` or ``stream`` (default: :func:`default_path`, by the logits' device).
+        path: one of :data:`PATHS` (default: :func:`default_path`, by the logits' device).
 
     Returns:
         ``(loss, nll_loss)``, fp32 scalars summed over the rows; ``loss`` is

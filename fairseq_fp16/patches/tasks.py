@@ -199,12 +199,16 @@ def _build_criterion_of(target):
                 "label_smoothed_cross_entropy); its own is used", mode, type(criterion).__name__)
             return criterion
         run_info.record(fused_loss=True)
-        logger.info("--fused-loss %s: %s computes its loss from the logits in fp32 chunks, "
-                    "keeping no fp32 log-probabilities", mode,
-                    getattr(cfg, "_name", None) or type(criterion).__name__)
         fused_criterion = fused.build_criterion(cfg, self)
         if mode in FUSED_LOSS_PATHS:
             fused_criterion.fused_loss_path = mode
+        elif _flag(self, "compile_layers", False):  # compiled layers: the compiled loss too
+            fused_criterion.fused_loss_path = "compiled"
+        path = fused_criterion.fused_loss_path
+        logger.info("--fused-loss %s: %s computes its loss from the logits in fp32 chunks%s, "
+                    "keeping no fp32 log-probabilities", mode,
+                    getattr(cfg, "_name", None) or type(criterion).__name__,
+                    f" (the {path} path)" if path else "")
         return fused_criterion
 
     return build_criterion

@@ -97,8 +97,9 @@ class TranslationFP16Config(TranslationConfig):
             "in fp32 chunks, keeping no fp32 log-probabilities for the backward pass (apex "
             "xentropy's role): the same loss, a fraction of its memory. auto: on for --fp16/"
             "--bf16, off for fp32 (fairseq's own loss). on works in large chunks with few "
-            "passes over memory on CUDA (stream) and in cache-sized chunks on the CPU (cache); "
-            "stream or cache turns it on with that path on any device"
+            "passes over memory on CUDA (stream) and in cache-sized chunks on the CPU (cache), "
+            "or, with --compile-layers, in kernels made by torch.compile (compiled); stream, "
+            "cache or compiled turns it on with that path on any device"
         },
     )
     cpu_kernel_cache: str = field(

@@ -12,10 +12,11 @@ bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
 cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss), fp32-fused
-(--fused-loss on) and fp16-cache (--fused-loss cache: the CPU's way on any
-device), fp16-stock (stock fairseq --fp16, no plugin; CUDA only),
+(--fused-loss on), fp16-cache (--fused-loss cache: the CPU's way on any
+device) and fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq --fp16, no plugin; CUDA only),
 fp16-fairseq-attn (--attention-path fairseq: fairseq's own attention, the CPU
-default), fp16-compiled / bf16-compiled (--compile-layers) and fp16-workers4
+default), fp16-compiled / bf16-compiled (--compile-layers, which compiles the fused loss
+too) and fp16-workers4
 (--num-workers 4: four batch-loading processes instead of fairseq's one).
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
 CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for
@@ -70,6 +71,7 @@ MODES = {
     "bf16-unfused": ["--bf16", "--fused-loss", "off"],
     "fp32-fused": ["--fused-loss", "on"],
     "fp16-cache": ["--fp16", "--fused-loss", "cache"],  # the CPU's fused-loss path, on any device
+    "fp16-loss-compiled": ["--fp16", "--fused-loss", "compiled"],  # eager layers, compiled loss
     # the GPU's A/B: attention path, compiled layers, batch-loading processes
     "fp16-fairseq-attn": ["--fp16", "--attention-path", "fairseq"],
     "fp16-compiled": ["--fp16", "--compile-layers"],

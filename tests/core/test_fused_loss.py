@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from torch.profiler import ProfilerActivity, profile
 
 from fairseq_fp16.core.fused_loss import PATHS, chunk_rows, label_smoothed_nll_from_logits
 from fairseq_fp16_tools.bench.op_census import OpCensus
@@ -91,6 +92,8 @@ def test_each_device_its_path_and_chunks():
     # CUDA: 4 chunks for 16k tokens of a 32k vocabulary (launches, not cache, bound a GPU update)
     assert -(-16384 // chunk_rows(32768, cuda)) == 4
     assert chunk_rows(32768, cpu, "stream") == chunk_rows(32768, cuda)
+    # the compiled path keeps no fp32 chunk: 32k tokens of a 32k vocabulary are one chunk
+    assert chunk_rows(32768, cuda, "compiled") == 32768
 
 
 def traffic(path, rows=N, dtype=torch.float16):
@@ -112,7 +115,8 @@ def test_the_stream_path_moves_fewer_bytes_in_fewer_launches():
     assert cache_bytes > 70
     assert stream_bytes - 2 * 6 < 28
     # launches a chunk (forward and backward): 3 more chunks at N / 4 rows a chunk
-    per_chunk = {path: (traffic(path, rows=N // 4)[0] - traffic(path)[0]) / 3 for path in PATHS}
+    per_chunk = {path: (traffic(path, rows=N // 4)[0] - traffic(path)[0]) / 3
+                 for path in ("stream", "cache")}
     assert per_chunk["stream"] - 2 <= 8 < 16 <= per_chunk["cache"]
 
 
@@ -140,7 +144,8 @@ def saved_bytes(fn, logits, target):
     return sum(total)
 
 
-@pytest.mark.parametrize("path, per_row", [("cache", 8 + 4 + 1), ("stream", 8 + 1)])
+@pytest.mark.parametrize("path, per_row", [("cache", 8 + 4 + 1), ("stream", 8 + 1),
+                                           ("compiled", 8 + 4 + 1)])
 def test_keeps_the_half_logits_not_fp32_log_probabilities(path, per_row):
     logits, target = inputs(torch.float16)
     stock = saved_bytes(lambda x, t: fairseq_loss(x, t, 0.1), logits, target)
@@ -162,18 +167,38 @@ def test_bad_arguments_name_what_is_wrong():
         label_smoothed_nll_from_logits(logits, target, 1.0)
     with pytest.raises(ValueError, match="logits must be floating point, got torch.int64"):
         label_smoothed_nll_from_logits(target[:, None].expand(N, 3), target, 0.1)
-    with pytest.raises(ValueError, match="fused loss path must be one of cache, stream, got 'gpu'"):
+    with pytest.raises(ValueError, match="fused loss path must be one of cache, stream, compiled, "
+                                         "got 'gpu'"):
         label_smoothed_nll_from_logits(logits, target, 0.1, path="gpu")
+
+
+def test_the_compiled_path_keeps_no_fp32_chunk():
+    """The compiled kernels read the half logits and write per-row numbers or the half
+    gradient: the allocator's peak over the forward and backward passes stays below what one
+    fp32 copy of the logits would add."""
+    logits, target = inputs(torch.float16)
+    big = torch.cat([logits] * 20)  # 1,920 rows: 1.9 MB of half logits
+    tgt = torch.cat([target] * 20)
+    loss_and_grad(label_smoothed_nll_from_logits, big, tgt, 0.1, ignore_index=PAD, path="compiled")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss_and_grad(label_smoothed_nll_from_logits, big, tgt, 0.1, ignore_index=PAD,
+                      path="compiled")
+    # the largest single allocation (operators that call no other)
+    largest = max(e.cpu_memory_usage for e in prof.events() if not e.cpu_children)
+    assert largest == big.numel() * 2  # the half gradient; an fp32 chunk would be twice that
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("path", ["stream", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_on_cuda_the_stream_path_matches_fairseq(dtype):
-    """CUDA's half-to-fp32 softmax kernels, the default path there, against fairseq's loss."""
+def test_on_cuda_the_stream_and_compiled_paths_match_fairseq(dtype, path):
+    """CUDA's half-to-fp32 softmax kernels (the default path there) and the kernels compiled
+    for the GPU against fairseq's loss."""
     logits, target = (t.cuda() for t in inputs(dtype))
     ref = loss_and_grad(fairseq_loss, logits, target, 0.1, ignore_index=PAD)
-    got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, ignore_index=PAD)
+    got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, ignore_index=PAD,
+                        path=path)
     torch.testing.assert_close(got[0], ref[0], rtol=2e-6, atol=0)
     ulp = torch.finfo(dtype).eps * ref[2].float().abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((got[2].float() - ref[2].float()).abs() <= ulp).all()
