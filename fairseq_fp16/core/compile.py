@@ -21,6 +21,10 @@ What still takes separate graphs is the layers' Python control flow: a fairseq d
 layer returns attention weights (``need_attn``), and padding masks come as tensors or None,
 which gives a decoder layer up to eight variants, torch's default limit. The limit is raised
 to :data:`RECOMPILE_LIMIT` so that none of them falls back to eager.
+
+Under a Python dispatch mode (the plugin's check of the CPU's half products on the first step,
+an operator census) the module's own forward runs: torch.compile compiles no frame under one,
+and would run the frame eagerly from then on.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["compile_training_forward", "is_compiled"]
+__all__ = ["compile_training_forward", "dispatch_mode_active", "is_compiled"]
 
 _MARK = "_fairseq_fp16_compiled"
 #: graphs a compiled forward may have (``torch._dynamo.config.recompile_limit``; torch's is 8)
@@ -59,7 +63,8 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
 
         @functools.wraps(eager)
         def forward(*args, _eager=eager, _compiled=compiled, _module=module, **kwargs):
-            if _module.training and kwargs.get("incremental_state") is None:
+            if (_module.training and kwargs.get("incremental_state") is None
+                    and not dispatch_mode_active()):
                 return _compiled(*[_contiguous(a) for a in args],
                                  **{k: _contiguous(v) for k, v in kwargs.items()})
             return _eager(*args, **kwargs)
@@ -72,6 +77,12 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
 
 def _contiguous(x):
     return x.contiguous() if isinstance(x, torch.Tensor) else x
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a Python dispatch mode (``TorchDispatchMode``) is on, where torch.compile runs
+    nothing compiled."""
+    return torch._C._len_torch_dispatch_stack() > 0
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

@@ -42,7 +42,8 @@ upcast values, up to the order of fp32 additions.
 from typing import Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+
+from .compile import dispatch_mode_active
 
 __all__ = ["PATHS", "label_smoothed_nll_from_logits", "chunk_rows", "default_path"]
 
@@ -197,13 +198,13 @@ _compiled = {}
 
 
 def _run_compiled(fn, *args):
-    """``fn`` compiled (once), called with the Python dispatch modes set aside: torch.compile
-    runs no frame under one, and would run ``fn`` eagerly from then on. (The plugin's check of
-    the CPU's half products is one; these functions make no products.)"""
+    """``fn`` compiled (once); eagerly under a Python dispatch mode, where torch.compile
+    compiles nothing and would run ``fn`` eagerly from then on (:mod:`.compile`)."""
+    if dispatch_mode_active():
+        return fn(*args)
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    with _disable_current_modes():
-        return _compiled[fn](*args)
+    return _compiled[fn](*args)
 
 
 class _CompiledChunks(torch.autograd.Function):

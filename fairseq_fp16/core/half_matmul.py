@@ -500,7 +500,9 @@ class Fp32AccumulateFunctions(TorchFunctionMode):
     ``F.linear`` and ``torch.bmm`` run as autograd functions that upcast
     themselves; the other routed functions run under
     :class:`Fp32AccumulateMatmul` forward and backward. ``calls`` counts the
-    routed calls (for tests and logs).
+    routed calls made eagerly (for tests and logs): inside code that ``torch.compile`` traces
+    (``--compile-layers``) a count would be a guard on its value, and every step's new count
+    a recompile.
     """
 
     def __init__(self) -> None:
@@ -513,7 +515,8 @@ class Fp32AccumulateFunctions(TorchFunctionMode):
         if handler is not None:
             out = handler(func, args, kwargs)
             if out is not NotImplemented:
-                self.calls += 1
+                if not torch.compiler.is_compiling():
+                    self.calls += 1
                 return out
         return func(*args, **kwargs)
 

@@ -90,3 +90,24 @@ def test_more_variants_than_torchs_default_limit_stay_compiled():
     for variant in range(12):
         layer(x, variant="v" * variant)
     assert len(graphs) == 12
+
+
+def test_a_call_under_a_dispatch_mode_runs_eagerly_and_later_calls_compile():
+    """torch.compile compiles nothing under a Python dispatch mode (the plugin's first-step
+    check of the CPU's half products is one) and ran the frame eagerly from then on: the
+    layers of such a run were never compiled."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    layer = Layer()
+    backend, graphs = counting_backend()
+    compile_training_forward([layer], backend=backend)
+    x = torch.randn(4, 2, 8)
+    with Passthrough():
+        eager = layer(x)
+    assert graphs == []
+    torch.testing.assert_close(layer(x), eager, rtol=0, atol=0)
+    assert len(graphs) == 1
