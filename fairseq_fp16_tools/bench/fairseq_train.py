@@ -13,10 +13,10 @@ cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss), fp32-fused
 (--fused-loss on), fp16-cache (--fused-loss cache: the CPU's way on any
-device) and fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq --fp16, no plugin; CUDA only),
-fp16-fairseq-attn (--attention-path fairseq: fairseq's own attention, the CPU
-default), fp16-compiled / bf16-compiled (--compile-layers, which compiles the fused loss
-too) and fp16-workers4
+device), fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq
+--fp16, no plugin; CUDA only), fp16-fairseq-attn (--attention-path fairseq:
+fairseq's own attention, the CPU default), fp16-compiled / bf16-compiled
+(--compile-layers, which compiles the fused loss too) and fp16-workers4
 (--num-workers 4: four batch-loading processes instead of fairseq's one).
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
 CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for
