@@ -427,6 +427,10 @@ TABLES: Dict[str, Table] = {
                                  f"python scripts/{BENCH_DEMO_MODEL} --updates 600 --repeats 2", train_rows),
     "length-multiple-epyc": Table((f"{BENCH}/avx512-epyc/length_multiple.json",),
                                   f"python scripts/{BENCH_DEMO_MODEL} --updates 300 --repeats 2", train_rows),
+    "compile-layers-epyc": Table((f"{BENCH}/avx512-epyc/compile_layers.json",),
+                                 "python scripts/bench_fairseq_train.py --modes "
+                                 "bf16,bf16-compiled,fp16,fp16-compiled --updates 60 --repeats 1",
+                                 train_rows),
     "kernel-cache-epyc": Table((f"{BENCH}/avx512-epyc/kernel_cache.json",),
                                f"python scripts/{BENCH_DEMO_MODEL} --updates 1000", train_rows),
     "fused-loss": Table(tuple(f"{BENCH}/avx2-epyc/fairseq_train_fused_loss_{n}.json" for n in (1024, 4096)),
