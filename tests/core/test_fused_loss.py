@@ -174,8 +174,8 @@ def test_bad_arguments_name_what_is_wrong():
 
 def test_the_compiled_path_keeps_no_fp32_chunk():
     """The compiled kernels read the half logits and write per-row numbers or the half
-    gradient: the allocator's peak over the forward and backward passes stays below what one
-    fp32 copy of the logits would add."""
+    gradient: no allocation of the forward and backward passes is larger than the half
+    gradient, where the stream and cache paths' fp32 chunks are twice its size."""
     logits, target = inputs(torch.float16)
     big = torch.cat([logits] * 20)  # 1,920 rows: 1.9 MB of half logits
     tgt = torch.cat([target] * 20)
