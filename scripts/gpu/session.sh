@@ -49,8 +49,8 @@ else
   device=(--cuda); opt_device=cuda; params=1e6,1e7,1e8; batches=(16384 32768); updates=30
   # the precisions and the A/B of the fixes at the first size (most wanted first: a mode not
   # started by the deadline is skipped); the fast modes again at the second
-  modes_a=${MODES_A:-tf32,fp16,bf16,fp16-compiled,fp32,fp16-cache,fp16-stock,fp16-loss-compiled}
-  modes_b=${MODES_B:-tf32,fp16,bf16,fp16-compiled}
+  modes_a=${MODES_A:-tf32,fp16,fp16-compiled,bf16,fp32,fp16-stock,fp16-loss-compiled,fp16-cache}
+  modes_b=${MODES_B:-tf32,fp16-compiled,fp16,bf16}
   data=${DATA:-data/gpu-bench/bin}
   # transformer base (Vaswani et al.): 6+6 layers, d=512, ffn 2048, 8 heads
   model="--arch transformer --share-all-embeddings --dropout 0.1"
