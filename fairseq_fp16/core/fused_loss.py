@@ -93,13 +93,28 @@ def _row_weights(ctx, grad_loss, grad_nll, vocab):
     return w_t, w_s, w_t + w_s * vocab
 
 
+def _finish_forward(ctx, logits, target, lse, nll, smooth, epsilon, ignore_index, rows):
+    """(loss, nll): the sums over the kept rows, with what the backward pass of a path that
+    keeps the rows' log-sum-exp needs saved on ``ctx``."""
+    loss, nll_sum, keep = _loss_from_rows(nll, smooth, target, epsilon, ignore_index, logits.size(-1))
+    ctx.save_for_backward(logits, target, lse, keep)
+    ctx.epsilon, ctx.rows = epsilon, rows
+    return loss, nll_sum
+
+
+def _start_backward(ctx, grad_loss, grad_nll):
+    """(logits, target, lse, keep, (w_t, w_s, coef_p)) of :func:`_finish_forward`'s ``ctx``."""
+    logits, target, lse, keep = ctx.saved_tensors
+    return logits, target, lse, keep, _row_weights(ctx, grad_loss, grad_nll, logits.size(-1))
+
+
 class _CacheChunks(torch.autograd.Function):
     """(loss, nll) summed over the rows not equal to ``ignore_index``, both fp32; the
     ``cache`` path."""
 
     @staticmethod
     def forward(ctx, logits, target, epsilon, ignore_index, rows):
-        n, vocab = logits.shape
+        n = logits.size(0)
         lse = logits.new_empty(n, dtype=torch.float32)
         nll = logits.new_empty(n, dtype=torch.float32)
         smooth = logits.new_empty(n, dtype=torch.float32)
@@ -113,16 +128,12 @@ class _CacheChunks(torch.autograd.Function):
             picked = lprobs.gather(-1, target[start:start + rows, None]).squeeze(-1)
             nll[start:start + rows] = picked.neg_()
             smooth[start:start + rows] = lprobs.sum(-1).neg_()
-        loss, nll_sum, keep = _loss_from_rows(nll, smooth, target, epsilon, ignore_index, vocab)
-        ctx.save_for_backward(logits, target, lse, keep)
-        ctx.epsilon, ctx.rows = epsilon, rows
-        return loss, nll_sum
+        return _finish_forward(ctx, logits, target, lse, nll, smooth, epsilon, ignore_index, rows)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
-        logits, target, lse, keep = ctx.saved_tensors
-        n, vocab = logits.shape
-        w_t, w_s, coef_p = _row_weights(ctx, grad_loss, grad_nll, vocab)
+        logits, target, lse, keep, (w_t, w_s, coef_p) = _start_backward(ctx, grad_loss, grad_nll)
+        n = logits.size(0)
         grad = torch.empty_like(logits)
         for start in range(0, n, ctx.rows):
             chunk = logits[start:start + ctx.rows]
@@ -212,20 +223,15 @@ class _CompiledChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, epsilon, ignore_index, rows):
-        n, vocab = logits.shape
         parts = [_run_compiled(_rows_forward, logits[start:start + rows], target[start:start + rows])
-                 for start in range(0, n, rows)]
+                 for start in range(0, logits.size(0), rows)]
         lse, nll, smooth = (torch.cat(p) if len(parts) > 1 else p[0] for p in zip(*parts))
-        loss, nll_sum, keep = _loss_from_rows(nll, smooth, target, epsilon, ignore_index, vocab)
-        ctx.save_for_backward(logits, target, lse, keep)
-        ctx.epsilon, ctx.rows = epsilon, rows
-        return loss, nll_sum
+        return _finish_forward(ctx, logits, target, lse, nll, smooth, epsilon, ignore_index, rows)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
-        logits, target, lse, keep = ctx.saved_tensors
-        n, vocab = logits.shape
-        w_t, w_s, coef_p = _row_weights(ctx, grad_loss, grad_nll, vocab)
+        logits, target, lse, keep, (w_t, w_s, coef_p) = _start_backward(ctx, grad_loss, grad_nll)
+        n = logits.size(0)
         kept = keep.float() if keep is not None else lse.new_ones(n)
         coef, w_s, w_t = coef_p * kept, w_s * kept, w_t * kept  # per row: padding weighs nothing
         grads = [_run_compiled(_rows_backward, logits[rows], target[rows], lse[rows], coef[rows],
