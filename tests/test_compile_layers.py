@@ -17,8 +17,9 @@ MODEL = ["--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", [[], ["--fp16", "--half-matmul", "fp32-accumulate"]],
-                         ids=["fp32", "fp16-fp32acc"])
+@pytest.mark.parametrize("precision", [
+    [], ["--fp16", "--half-matmul", "fp32-accumulate", "--fp16-init-scale", "1048576"]],
+    ids=["fp32", "fp16-fp32acc-overflows"])
 def test_compiled_layers_do_not_recompile_per_batch_length_or_layer(toy_data, tmp_path, precision):
     """The first encoder layer gets a transposed view and the others contiguous tensors; before
     the compiled forward took contiguous inputs, every new batch length recompiled and after 8
@@ -26,7 +27,9 @@ def test_compiled_layers_do_not_recompile_per_batch_length_or_layer(toy_data, tm
     random incremental-state id; before the lookup stopped reading it without a state, each
     decoder layer compiled graphs of its own. A CPU half run under fp32 accumulation checks its
     first step's products under a dispatch mode; before the layers ran that step eagerly, they
-    were never compiled at all."""
+    were never compiled at all. Its first updates overflow (the scale starts at 2**20) and arm
+    the non-finite watch; before the armed watch held the layers to their own forward, each
+    arming's hooks recompiled them."""
     cmd = [sys.executable, "-m", "fairseq_cli.train", str(toy_data), *MODEL, *TRAIN,
            "--user-dir", USER_DIR, "--save-dir", str(tmp_path), "--no-save", "--compile-layers",
            "--fused-loss", "on", *precision,
@@ -42,5 +45,7 @@ def test_compiled_layers_do_not_recompile_per_batch_length_or_layer(toy_data, tm
     assert len(lengths) > 8  # batches of more sizes than torch's limit of recompiles (8)
     recompiles = re.findall(r"Recompiling function forward in \S+transformer_layer\.py:(\d+)", log)
     # the variants only: padding masks present or None, and the decoder's last layer's attention
-    assert "_incremental_state_id" not in log
+    assert "_incremental_state_id" not in log and "_forward_hooks" not in log
+    if precision:
+        assert int(re.findall(r'"skipped": "([0-9]+)"', log)[-1]) >= 5  # the watch was armed
     assert 1 <= len(recompiles) <= 6, recompiles  # 0: the layers were never compiled

@@ -24,7 +24,9 @@ to :data:`RECOMPILE_LIMIT` so that none of them falls back to eager.
 
 Under a Python dispatch mode (the plugin's check of the CPU's half products on the first step,
 an operator census) the module's own forward runs: torch.compile compiles no frame under one,
-and would run the frame eagerly from then on.
+and would run the frame eagerly from then on. So it does while something holds the modules to
+their own forward (:func:`hold_eager`): the non-finite watch's forward hooks, which a compiled
+graph would be guarded on, each arming's new hooks a recompile.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["compile_training_forward", "dispatch_mode_active", "is_compiled"]
+__all__ = ["compile_training_forward", "dispatch_mode_active", "hold_eager", "is_compiled",
+           "release_eager"]
 
 _MARK = "_fairseq_fp16_compiled"
 #: graphs a compiled forward may have (``torch._dynamo.config.recompile_limit``; torch's is 8)
 RECOMPILE_LIMIT = 32
+#: ids of the objects that hold compiled modules to their own forward (:func:`hold_eager`)
+_eager_holders: set = set()
 
 
 def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool = True,
@@ -64,7 +69,7 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
         @functools.wraps(eager)
         def forward(*args, _eager=eager, _compiled=compiled, _module=module, **kwargs):
             if (_module.training and kwargs.get("incremental_state") is None
-                    and not dispatch_mode_active()):
+                    and not _eager_holders and not dispatch_mode_active()):
                 return _compiled(*[_contiguous(a) for a in args],
                                  **{k: _contiguous(v) for k, v in kwargs.items()})
             return _eager(*args, **kwargs)
@@ -83,6 +88,15 @@ def dispatch_mode_active() -> bool:
     """Whether a Python dispatch mode (``TorchDispatchMode``) is on, where torch.compile runs
     nothing compiled."""
     return torch._C._len_torch_dispatch_stack() > 0
+
+
+def hold_eager(holder: object) -> None:
+    """Run compiled modules' own forward until :func:`release_eager` (``holder``: whose hold)."""
+    _eager_holders.add(id(holder))
+
+
+def release_eager(holder: object) -> None:
+    _eager_holders.discard(id(holder))
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

@@ -28,6 +28,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from .compile import hold_eager, release_eager
 from .master_weights import param_name
 
 __all__ = [
@@ -172,7 +173,8 @@ class NonFiniteWatch:
     returns, so inner modules are seen before the blocks that contain them.
 
     The optimizer arms the watch after an update that overflowed and disarms
-    it after a finite one; :meth:`remove` takes the hooks off.
+    it after a finite one; :meth:`remove` takes the hooks off. Armed, it holds
+    ``--compile-layers``' compiled layers to their own forward (:func:`.compile.hold_eager`).
     """
 
     #: records kept before they are looked through (one sync) to bound their memory
@@ -232,6 +234,7 @@ class NonFiniteWatch:
                 for name, module in self._model.named_modules()
                 if name
             ]
+            hold_eager(self)  # compiled layers run their own forward, which fires the hooks
 
     def disarm(self) -> None:
         """Stop checking (hooks off); forget the finding."""
@@ -249,3 +252,4 @@ class NonFiniteWatch:
         for h in self._handles:
             h.remove()
         self._handles = []
+        release_eager(self)

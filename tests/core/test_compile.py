@@ -111,3 +111,24 @@ def test_a_call_under_a_dispatch_mode_runs_eagerly_and_later_calls_compile():
     assert graphs == []
     torch.testing.assert_close(layer(x), eager, rtol=0, atol=0)
     assert len(graphs) == 1
+
+
+def test_an_armed_non_finite_watch_holds_compiled_layers_to_their_own_forward():
+    """The watch's hooks on the layers' modules would be guarded by a compiled graph, every
+    arming's new hooks a recompile; armed, the layers run eagerly and the hooks name the module,
+    and disarmed, the one compiled graph serves again."""
+    from fairseq_fp16.core.diagnostics import NonFiniteWatch
+
+    layer = Layer()
+    backend, graphs = counting_backend()
+    compile_training_forward([layer], backend=backend)
+    x = torch.randn(4, 2, 8)
+    layer(x)
+    watch = NonFiniteWatch(layer)
+    for _ in range(3):
+        watch.arm()
+        layer(torch.full((4, 2, 8), float("inf")))
+        assert watch.first["module"] == "proj"
+        watch.disarm()
+        layer(x)
+    assert len(graphs) == 1
