@@ -32,6 +32,7 @@ graph would be guarded on, each arming's new hooks a recompile.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Iterable
 
 import torch
@@ -42,8 +43,9 @@ __all__ = ["compile_training_forward", "dispatch_mode_active", "hold_eager", "is
 _MARK = "_fairseq_fp16_compiled"
 #: graphs a compiled forward may have (``torch._dynamo.config.recompile_limit``; torch's is 8)
 RECOMPILE_LIMIT = 32
-#: ids of the objects that hold compiled modules to their own forward (:func:`hold_eager`)
-_eager_holders: set = set()
+#: the objects that hold compiled modules to their own forward (:func:`hold_eager`); a holder
+#: dropped without a release lets go
+_eager_holders: "weakref.WeakSet[object]" = weakref.WeakSet()
 
 
 def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool = True,
@@ -92,11 +94,11 @@ def dispatch_mode_active() -> bool:
 
 def hold_eager(holder: object) -> None:
     """Run compiled modules' own forward until :func:`release_eager` (``holder``: whose hold)."""
-    _eager_holders.add(id(holder))
+    _eager_holders.add(holder)
 
 
 def release_eager(holder: object) -> None:
-    _eager_holders.discard(id(holder))
+    _eager_holders.discard(holder)
 
 
 def is_compiled(module: torch.nn.Module) -> bool:
