@@ -63,7 +63,8 @@ class _FusedLoss:
     """``compute_loss`` from the logits; fairseq's where that would change the result."""
 
     _warned = False
-    #: ``stream`` / ``cache`` (``--fused-loss``), or None: the logits' device decides
+    #: one of core.fused_loss.PATHS (``--fused-loss``, or compiled with ``--compile-layers``),
+    #: or None: the logits' device decides
     fused_loss_path = None
 
     def compute_loss(self, model, net_output, sample, reduce=True):

@@ -94,6 +94,14 @@ def parse_modes(ap: argparse.ArgumentParser, text: str):
     return modes
 
 
+def plugin_args(mode: str) -> list:
+    """fairseq-train's plugin, task and optimizer flags for ``mode``: stock fairseq's translation
+    and adam for a stock mode, the plugin's otherwise."""
+    if mode in STOCK:
+        return ["--task", "translation", "--optimizer", "adam"]
+    return ["--user-dir", USER_DIR, "--task", "translation_fp16", "--optimizer", "fp16_adam"]
+
+
 class RunFailed(RuntimeError):
     """One mode's run failed; the others still run and the JSON lists it under "failed"."""
 
@@ -111,8 +119,6 @@ def run(data, mode, updates, model, device, profile=None):
     ``profile``: (updates to profile, JSON path), run after the timed updates.
     """
     flags = MODES[mode]
-    plugin = [] if mode in STOCK else ["--user-dir", USER_DIR]
-    task, optimizer = ("translation", "adam") if mode in STOCK else ("translation_fp16", "fp16_adam")
     total, prof = updates, []
     if profile:  # the profiled window: whole updates after the last logged interval
         total = updates + profile[0] + 1
@@ -120,7 +126,7 @@ def run(data, mode, updates, model, device, profile=None):
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
         cmd = [sys.executable, script("run_stats.py"), *prof, str(stats), "fairseq-train",
-               str(data), *plugin, "--task", task, "--optimizer", optimizer, "--lr", "1e-3",
+               str(data), *plugin_args(mode), "--lr", "1e-3",
                *shlex.split(model), "--max-update", str(total), "--log-format", "simple",
                "--log-interval", "5", "--no-save", "--disable-validation", "--seed", "1", *device, *flags]
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV.get(mode, {})})

@@ -46,8 +46,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..paths import USER_DIR, script
-from .fairseq_train import ENV, MODEL, MODES, STOCK, parse_modes
+from ..paths import script
+from .fairseq_train import ENV, MODEL, MODES, STOCK, parse_modes, plugin_args
 
 __all__ = ["CLASSES", "OpCensus", "classify_op", "diff_table", "table"]
 
@@ -231,19 +231,15 @@ def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> D
     ``mode`` (a mode of :mod:`.fairseq_train`), with the operators a CUDA run would launch
     (updates after an overflow are passed over: :class:`.run_stats.UpdateCensus`)."""
     flags = list(MODES[mode])
-    if mode in STOCK:
-        plugin, task, optimizer = [], "translation", "adam"
-    else:
-        plugin, task, optimizer = ["--user-dir", USER_DIR], "translation_fp16", "fp16_adam"
-        if "--fp16" in flags or "--bf16" in flags:
-            for flag, value in AS_ON_CUDA.items():
-                if flag not in flags:  # the mode's own setting wins
-                    flags += [flag, value]
+    if mode not in STOCK and ("--fp16" in flags or "--bf16" in flags):
+        for flag, value in AS_ON_CUDA.items():
+            if flag not in flags:  # the mode's own setting wins
+                flags += [flag, value]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / f"{mode}.json"
         cmd = [sys.executable, script("run_stats.py"), "--census-updates", f"{first}:{count}",
-               str(out_path), str(Path(tmp) / "stats.json"), "fairseq-train", str(data), *plugin,
-               "--task", task, "--optimizer", optimizer, "--lr", "1e-3", *shlex.split(model),
+               str(out_path), str(Path(tmp) / "stats.json"), "fairseq-train", str(data),
+               *plugin_args(mode), "--lr", "1e-3", *shlex.split(model),
                "--max-update", str(first + count + 4), "--no-save", "--disable-validation",
                "--seed", "1", "--cpu", "--log-format", "simple", *flags]
         run = subprocess.run(cmd, capture_output=True, text=True,
