@@ -30,9 +30,9 @@ Two ways through the chunks, one per kind of device (``path``):
   the ``cache`` steps would move about 90 (``tests/core/test_fused_loss.py`` counts them);
 * ``compiled``: the same arithmetic as the cache path, each pass compiled with
   ``torch.compile`` into kernels that read the half logits and write only per-row numbers
-  (forward) or the half gradient (backward). No fp32 chunk exists, so one chunk takes all the
-  rows; about 8 bytes move per logit and an update launches a handful of kernels for the loss.
-  The first batch pays the compilation (CPU: a C++ compiler).
+  (forward) or the half gradient (backward). No fp32 chunk exists (the tests check the
+  largest allocation), so one chunk takes all the rows. The first batch pays the compilation
+  (CPU: a C++ compiler).
 
 The numbers are fairseq's ``label_smoothed_nll_loss`` (``epsilon = 0``: the plain
 negative log-likelihood of ``cross_entropy``): the same fp32 arithmetic on the same
