@@ -9,6 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from fairseq.dataclass.configs import FairseqConfig
+from fairseq.distributed import utils as distributed_utils
+from omegaconf import OmegaConf
 
 from conftest import BIN, parse_json_records
 from fairseq_fp16.patches.distributed import _free_port
@@ -64,6 +68,25 @@ def _assert_same_trajectory(got, ref, tol=0.01):
         assert got[u]["loss"] == pytest.approx(ref[u]["loss"], abs=tol), u
     for u in range(1, min(set(ref) - set(same), default=max(ref) + 1)):  # until the groupings part
         assert got[u]["loss_scale"] == ref[u]["loss_scale"], u
+
+
+def test_each_process_destroys_its_process_group_when_training_returns():
+    """fairseq 0.12 leaves the group to the interpreter's exit, where gloo's threads can abort
+    a finished run (SIGABRT, ``terminate called without an active exception``)."""
+    cfg = OmegaConf.structured(FairseqConfig())
+    cfg.model = {}
+    cfg.common.cpu = True
+    dt = cfg.distributed_training
+    dt.distributed_world_size, dt.distributed_rank = 1, 0
+    dt.distributed_init_method = f"tcp://localhost:{_free_port()}"
+    during = []
+    try:
+        distributed_utils.distributed_main(0, lambda cfg: during.append(torch.distributed.get_backend()), cfg, {})
+        assert during == ["gloo"]
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def test_torchrun_two_cpu_processes_match_one_process(toy_data, tmp_path, one_process):

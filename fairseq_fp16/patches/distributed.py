@@ -80,6 +80,19 @@ def _spawned_main(i, main, cfg, kwargs):
     distributed_utils.distributed_main(i, main, cfg, kwargs)
 
 
+def _distributed_main(i, main, cfg, kwargs):
+    """fairseq's distributed_main, then the process group destroyed once training returned.
+
+    fairseq 0.12 leaves the group to the interpreter's exit. With gloo its worker threads can
+    then outlive the interpreter, and the process dies with ``terminate called without an
+    active exception`` (SIGABRT) after a finished run, now and then. fairseq's own barrier
+    ends its distributed_main, so every rank is done communicating by then.
+    """
+    _original("fairseq.distributed.utils:distributed_main")(i, main, cfg, kwargs)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _distributed_init(cfg):
     common = getattr(cfg, "common", None)
     dt = getattr(cfg, "distributed_training", cfg)
@@ -135,9 +148,12 @@ PATCHES = [
     Patch("fairseq.distributed.utils:distributed_init", group="repair", replacement=_distributed_init,
           expects=["backend=cfg.distributed_training.distributed_backend"],
           why="--distributed-backend defaults to nccl; without CUDA (or with --cpu) gloo is used"),
-    Patch("fairseq.distributed.utils:distributed_main", group="repair",
-          expects=["cfg.distributed_training.device_id = i", 'kwargs.pop("start_rank", 0) + i'],
-          why="relied on: the spawned CPU processes run fairseq's distributed_main"),
+    Patch("fairseq.distributed.utils:distributed_main", group="repair", replacement=_distributed_main,
+          expects=["cfg.distributed_training.device_id = i", 'kwargs.pop("start_rank", 0) + i',
+                   "torch.distributed.barrier(get_global_group())"],
+          why="the process group was never destroyed, and a gloo process could abort at exit "
+              "(SIGABRT) after its run had finished; it is destroyed after fairseq's closing "
+              "barrier. The spawned CPU processes run fairseq's distributed_main too"),
     Patch("fairseq.distributed.utils:_broadcast_object_slow", group="repair", replacement=_broadcast_object_slow,
           expects=["broadcast(length, src=src_rank, group=group)", 'obj = torch.load(buffer, map_location="cpu")'],
           why="on resume rank 0 sends the loaded checkpoint state pickled; with torch >= 2.6 the "

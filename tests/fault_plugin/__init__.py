@@ -62,6 +62,7 @@ class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
         self.fault, self.fault_at, self.fault_every = fault, fault_at, fault_every
         self.fault_module, self.fault_factor = fault_module, fault_factor
         self.fault_rank = fault_rank
+        self.rank = _rank()  # built after the distributed start-up; the group is gone at exit
         self.forwards = 0
         self.model = None
         if os.environ.get("FAULT_DUMP_DIR"):
@@ -74,15 +75,15 @@ class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
         for name, p in sorted(self.model.state_dict().items()):
             h.update(name.encode())
             h.update(p.detach().float().cpu().numpy().tobytes())
-        path = os.path.join(os.environ["FAULT_DUMP_DIR"], f"rank{_rank()}.json")
+        path = os.path.join(os.environ["FAULT_DUMP_DIR"], f"rank{self.rank}.json")
         with open(path, "w") as f:
-            json.dump({"rank": _rank(), "forwards": self.forwards, "sha256": h.hexdigest()}, f)
+            json.dump({"rank": self.rank, "forwards": self.forwards, "sha256": h.hexdigest()}, f)
 
     def _due(self) -> bool:
         n = self.forwards
         if self.fault == "none" or self.fault_at <= 0 or n < self.fault_at:
             return False
-        if self.fault_rank >= 0 and _rank() != self.fault_rank:
+        if self.fault_rank >= 0 and self.rank != self.fault_rank:
             return False
         if n == self.fault_at:
             return True
