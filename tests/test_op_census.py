@@ -20,8 +20,11 @@ def test_an_elementwise_op_reads_its_inputs_and_writes_its_output():
         c.add_(1.0)  # in place: reads and writes c
         torch.empty(n)  # allocations launch nothing
         float(c.sum())  # a host sync
+        line = sys._getframe().f_lineno - 1
     s = census.summary(updates=1)
     assert s["launches"] == 3 and s["syncs"] == 1
+    here = "test_an_elementwise_op_reads_its_inputs_and_writes_its_output"
+    assert s["sync_sites"] == {f"forward tests/test_op_census.py:{line} ({here})": 1}
     assert s["ops"]["add"] == [1, 12.0] and s["ops"]["add_"] == [1, 8.0]
     assert s["by_phase"]["forward"]["launches"] == 3
 
@@ -109,6 +112,10 @@ def test_run_stats_counts_steady_updates_of_a_fairseq_run(toy_data, tmp_path):
     assert 0 < phases["step"]["launches"] < 60
     assert "addcmul" in out["ops"] and "logsumexp" not in out["ops"]  # the stream loss
     assert out["launches"] == pytest.approx(sum(p["launches"] for p in phases.values()), abs=0.1)
+    # every sync has its caller: fairseq's encoder tests its padding mask on the device
+    assert sum(out["sync_sites"].values()) == pytest.approx(out["syncs"], abs=0.1)
+    assert any(s.startswith("forward fairseq/models/transformer/transformer_encoder.py:")
+               and s.endswith(" (forward_scriptable)") for s in out["sync_sites"]), out["sync_sites"]
 
 
 def test_run_stats_takes_one_window_at_a_time(tmp_path):

@@ -12,7 +12,11 @@ the device would receive it, and counts per operator:
   the whole tensor): the traffic of an operator that streams its operands, which the
   elementwise and copy kernels of an update do;
 * host syncs: operators that make the host wait for the device (``.item()``,
-  ``nonzero``, ``torch.equal``).
+  ``nonzero``, ``torch.equal``), also by phase and by the line of Python outside torch that
+  asked (``sync_sites``). A sync drains the device's queue, so the host cannot run ahead of it
+  there. A CPU run cannot tell which tensors a CUDA run keeps on the host, so scalar reads of
+  those count too (fairseq's sinusoidal positions read their input's shape as a tensor: no
+  wait on CUDA).
 
 Operators are grouped by class (the kernel classes of :mod:`.profile_summary`) and by phase:
 ``backward`` (run by the autograd engine), ``step`` (inside the optimizer's ``step``) and
@@ -46,7 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..paths import script
+from ..paths import ROOT, script
 from .fairseq_train import ENV, MODEL, MODES, STOCK, parse_modes, plugin_args
 
 __all__ = ["CLASSES", "OpCensus", "classify_op", "diff_table", "table"]
@@ -105,6 +109,29 @@ _HALF = (torch.float16, torch.bfloat16)
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")
+
+
+def _caller() -> str:
+    """``path:line (function)`` of the innermost frame outside torch, this module and any
+    torch function or dispatch mode: the Python that asked for a sync (the path from the
+    repository or from site-packages)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__
+                                 or frame.f_code.co_name in _MODE_HOOKS):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    if "site-packages" + os.sep in path:
+        path = path.split("site-packages" + os.sep, 1)[1]
+    elif path.startswith(str(ROOT) + os.sep):
+        path = path[len(str(ROOT)) + 1:]
+    return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
 def _fp32_product(func, args, kwargs):
     """A half matrix product on the CPU as an fp32 product rounded to half (fast anywhere)."""
     up = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _HALF else a for a in args]
@@ -125,9 +152,10 @@ class OpCensus(TorchDispatchMode):
         self.in_step = False
         #: False: operators run (fp32 products included) but are not counted
         self.counting = True
-        # (op, phase) -> [launches, bytes]; syncs by op
+        # (op, phase) -> [launches, bytes]; syncs by op and by (phase, caller)
         self.ops: Dict[Tuple[str, str], List[int]] = defaultdict(lambda: [0, 0])
         self.syncs: Dict[str, int] = defaultdict(int)
+        self.sync_sites: Dict[Tuple[str, str], int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -139,8 +167,13 @@ class OpCensus(TorchDispatchMode):
             out = func(*args, **kwargs)
         if not self.counting:
             return out
+        if torch._C._current_autograd_node() is not None:
+            phase = "backward"
+        else:
+            phase = "step" if self.in_step else "forward"
         if name in SYNCS:
             self.syncs[name] += 1
+            self.sync_sites[(phase, _caller())] += 1
         if func.is_view or name in NO_KERNEL:
             return out
         if name == "copy_":
@@ -150,10 +183,6 @@ class OpCensus(TorchDispatchMode):
         else:
             ins = tree_flatten((args, {k: v for k, v in kwargs.items() if k != "out"}))[0]
             moved = _nbytes(ins) + _nbytes(tree_flatten(out)[0])
-        if torch._C._current_autograd_node() is not None:
-            phase = "backward"
-        else:
-            phase = "step" if self.in_step else "forward"
         entry = self.ops[(name, phase)]
         entry[0] += 1
         entry[1] += moved
@@ -161,7 +190,8 @@ class OpCensus(TorchDispatchMode):
 
     def summary(self, updates: int) -> Dict:
         """Per update: launches, MB moved and syncs in all, by class, by phase and by operator
-        (``ops``: name -> [launches, MB], largest MB first)."""
+        (``ops``: name -> [launches, MB], largest MB first); ``sync_sites``: "phase caller" ->
+        syncs, most first."""
         if updates < 1:
             raise ValueError(f"a census needs updates >= 1, got {updates}")
         by_op: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
@@ -182,6 +212,8 @@ class OpCensus(TorchDispatchMode):
             **rec(launches, moved),
             "syncs": round(sum(self.syncs.values()) / updates, 1),
             "sync_ops": {k: round(v / updates, 1) for k, v in sorted(self.syncs.items())},
+            "sync_sites": {f"{phase} {site}": round(n / updates, 1) for (phase, site), n in
+                           sorted(self.sync_sites.items(), key=lambda kv: (-kv[1], kv[0]))},
             "by_class": {k: rec(*v) for k, v in by_class.items()},
             "by_phase": {k: rec(*v) for k, v in by_phase.items()},
             "ops": {name: [round(n / updates, 1), round(b / updates / 2**20, 2)]
@@ -280,6 +312,10 @@ def main(argv=None) -> int:
             print(e, file=sys.stderr, flush=True)
             results[mode] = {"name": mode, "error": str(e).splitlines()[-1][:500]}
     print(table(results))
+    for mode, c in results.items():
+        if c.get("sync_sites"):
+            print(f"\nhost syncs per update of {mode}, by phase and caller:")
+            print("\n".join(f"{n:6.1f}  {site}" for site, n in c["sync_sites"].items()))
     base = modes[0]
     for mode in modes[1:]:
         if "error" not in results[base] and "error" not in results[mode]:
