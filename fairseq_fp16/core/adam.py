@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+from torch.optim import optimizer as optim_hooks
 
 from .param_names import param_name
 
 __all__ = ["ADAM_BACKENDS", "build_adam", "load_state_keeping_backend", "split_no_decay",
-           "AdamWNoBiasCorrection"]
+           "AdamWNoBiasCorrection", "FusedAdamWLists"]
 
 ADAM_BACKENDS = ("auto", "fused", "foreach", "apex")
 #: Param-group entries that say how torch's optimizers compute, not what they optimize.
@@ -108,6 +109,86 @@ def build_adam(
     if fused:
         return torch.optim.AdamW(groups, fused=True, **kw)
     return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+class FusedAdamWLists:
+    """``torch.optim.AdamW(fused=True).step()`` on tensor lists built once.
+
+    torch's step walks every parameter in Python on each call (gradient and state lookups,
+    six list appends) and then regroups the lists by device and dtype: on a model of a few
+    hundred tensors that is most of the step's host time, which a fast GPU waits on. Here the
+    lists of parameters, moments and step counts of each param group are built once the state
+    exists and are kept while the optimizer holds the same state dict (``load_state_dict``
+    makes a new one). Each call reads the gradients and makes torch's own calls: the step
+    counts incremented, ``torch._fused_adamw_``, and the increment taken back where
+    ``found_inf`` is set. The update is therefore bit-identical to ``optimizer.step()``.
+
+    :meth:`step` returns False and does nothing where torch's step must run instead: a
+    parameter without a gradient or without state (the first step), step hooks, a tensor
+    learning rate, amsgrad, ``maximize``, ``capturable``, or tensors on several devices or
+    dtypes.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._key: Tuple[int, int] = (0, 0)
+        self._lists: List[Tuple[List[torch.Tensor], ...]] = []
+
+    @staticmethod
+    def supports(optimizer: torch.optim.Optimizer) -> bool:
+        """True for a fused ``torch.optim.AdamW`` whose groups this class can step."""
+        return type(optimizer) is torch.optim.AdamW and all(
+            g.get("fused") and g.get("decoupled_weight_decay", True) and not g.get("amsgrad")
+            and not g.get("maximize") and not g.get("capturable") and not g.get("differentiable")
+            for g in optimizer.param_groups)
+
+    def _build(self) -> bool:
+        opt = self.optimizer
+        self._key, self._lists = (id(opt.state), id(opt.param_groups)), []
+        if not self.supports(opt):
+            return False
+        first = opt.param_groups[0]["params"][0]
+        for group in opt.param_groups:
+            params = list(group["params"])
+            states = [opt.state.get(p) for p in params]
+            if any(not st for st in states):
+                return False
+            lists = (params, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                     [st["step"] for st in states])
+            for t in (t for tensors in lists for t in tensors):
+                if (t.device, t.dtype) != (first.device, first.dtype):
+                    return False
+            self._lists.append(lists)
+        return True
+
+    def step(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> bool:
+        """One AdamW step of every group on gradients divided by ``grad_scale``, skipped
+        (step counts kept) where ``found_inf`` is 1; False: nothing done, use torch's step."""
+        opt = self.optimizer
+        if (optim_hooks._global_optimizer_pre_hooks or optim_hooks._global_optimizer_post_hooks
+                or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks):
+            return False
+        if self._key != (id(opt.state), id(opt.param_groups)) or not self._lists:
+            if not self._build():
+                return False
+        grads = []
+        for params, *_ in self._lists:
+            g = [p.grad for p in params]
+            if any(x is None for x in g):
+                return False
+            grads.append(g)
+        if any(torch.is_tensor(x) for group in opt.param_groups for x in (group["lr"], *group["betas"])):
+            return False
+        with torch.no_grad():
+            for group, (params, exp_avgs, exp_avg_sqs, steps), g in zip(opt.param_groups, self._lists, grads):
+                beta1, beta2 = group["betas"]
+                torch._foreach_add_(steps, 1)
+                torch._fused_adamw_(params, g, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
+                                    lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    weight_decay=group["weight_decay"], eps=group["eps"],
+                                    maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
+        return True
 
 
 class AdamWNoBiasCorrection(torch.optim.Optimizer):

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .adam import load_state_keeping_backend
+from .adam import FusedAdamWLists, load_state_keeping_backend
 from .loss_scaler import LossScaler
 from .param_names import CARRIED_ATTRS, NAME_ATTR, param_name, tag_param_names
 
@@ -75,8 +75,11 @@ class MixedPrecisionOptimizer:
         self._half_masters = [m for _, m in self._half_pairs]
         self._normed = [m for m in self.master_params if not hasattr(m, "expert")]
         self._experts = [m for m in self.master_params if hasattr(m, "expert")]
+        self._one_device = len({m.device for m in self.master_params}) == 1
         self.optimizer = build_optimizer(self.master_params)
         self.fused_amp = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        # torch's fused AdamW stepped on lists built once (None: the optimizer's own step)
+        self._fused_lists = FusedAdamWLists(self.optimizer) if FusedAdamWLists.supports(self.optimizer) else None
         device = self.model_params[0].device
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
@@ -127,7 +130,9 @@ class MixedPrecisionOptimizer:
         experts = [m.grad for m in self._experts if m.grad is not None]
         if normed:
             norms = torch._foreach_norm(normed, 2)
-            total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+            if not self._one_device:
+                norms = [n.to(device) for n in norms]
+            total = torch.linalg.vector_norm(torch.stack(norms))
         else:
             total = torch.zeros((), device=device)
         total = total * inv
@@ -178,13 +183,15 @@ class MixedPrecisionOptimizer:
         master_grads = self._sync_master_grads()
         if self.fused_amp:
             # The kernel divides by grad_scale and skips the update on found_inf.
-            self.optimizer.grad_scale = torch.reciprocal(self._inv_scale)
-            self.optimizer.found_inf = self._found_inf
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.grad_scale
-                del self.optimizer.found_inf
+            grad_scale = torch.reciprocal(self._inv_scale)
+            if self._fused_lists is None or not self._fused_lists.step(grad_scale, self._found_inf):
+                self.optimizer.grad_scale = grad_scale
+                self.optimizer.found_inf = self._found_inf
+                try:
+                    self.optimizer.step()
+                finally:
+                    del self.optimizer.grad_scale
+                    del self.optimizer.found_inf
         elif self._known_finite:
             # the caller read the norm on the host and saw no overflow: unscale and step,
             # no second sync

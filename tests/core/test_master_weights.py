@@ -340,3 +340,72 @@ def test_a_no_bias_correction_checkpoint_loads_into_the_fused_backend():
     random_grads(half2, 1, dtype=torch.float16)
     opt2.step()  # runs (bias correction resumes from the saved step count)
     assert all(torch.isfinite(m).all() for m in opt2.master_params)
+
+
+def _torch_steps(opt):
+    """Count the steps the optimizer's own ``step`` takes (no hook: a hook is a fallback)."""
+    calls = []
+    own = opt.optimizer.step
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return own(*a, **kw)
+
+    opt.optimizer.step = counted
+    return calls
+
+
+def test_fused_step_on_cached_lists_is_bit_identical_to_torch_adamw_step():
+    """Two param groups, a new lr each step, overflows, a parameter without a gradient and a
+    checkpoint loaded into the stepping optimizer: the cached path and torch's step agree bit
+    for bit."""
+    runs = {}
+    for cached in (True, False):
+        master_init = make_params()
+        half = [torch.nn.Parameter(p.detach().half()) for p in master_init]
+        tag_param_names([("w", half[0]), ("bias", half[1]), ("x", half[2])])
+        opt = MixedPrecisionOptimizer(half, lambda ps: build_adam(ps, **HP), LossScaler(1024.0, scale_window=3))
+        assert len(opt.optimizer.param_groups) == 2  # decay and no decay
+        if not cached:
+            opt._fused_lists = None
+        calls, taken = _torch_steps(opt), []
+        for step in range(12):
+            if step == 4:
+                saved = copy.deepcopy(opt.state_dict())
+            if step == 6:  # back to the state of step 4: new tensors, the lists are rebuilt
+                opt.load_state_dict(saved)
+            opt.zero_grad()
+            random_grads(half, step, scale=opt.scaler.loss_scale, dtype=torch.float16)
+            if step in (3, 9):
+                half[0].grad[0, 0] = float("inf")
+            if step == 8:
+                half[2].grad = None
+            for group in opt.optimizer.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
+            opt.clip_grad_norm(1.0)
+            opt.step()
+            taken.append(len(calls))
+        runs[cached] = (opt.state_dict(), [h.detach().clone() for h in half], taken)
+    (got, got_half, taken), (ref, ref_half, _) = runs[True], runs[False]
+    # torch's step ran for the first step (no state yet) and for the step without a gradient
+    assert taken == [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]
+    for g, r in zip(got_half, ref_half):
+        assert torch.equal(g, r)
+    for i, m in ref["master_params"].items():
+        assert torch.equal(got["master_params"][i], m)
+    for k, st in ref["optimizer"]["state"].items():
+        for name, t in st.items():
+            assert torch.equal(got["optimizer"]["state"][k][name], t), (k, name)
+    assert got["scaler"] == ref["scaler"]
+
+
+def test_step_hooks_get_torch_step_and_run():
+    half, opt = mixed()
+    calls, seen = _torch_steps(opt), []
+    for step in range(3):
+        if step == 2:
+            opt.optimizer.register_step_post_hook(lambda o, args, kwargs: seen.append(step))
+        random_grads(half, step, scale=opt.scaler.loss_scale, dtype=torch.float16)
+        opt.clip_grad_norm(0.0)
+        opt.step()
+    assert len(calls) == 2 and seen == [2]  # the first step (no state) and the hooked one
