@@ -26,10 +26,11 @@ BASE = ["--fp16", "--dropout", "0", "--fp16-scale-window", "4"]
 
 
 def run(cmd, env=None, check=True):
-    full_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
+    # a crash prints the Python stacks; fairseq logs to stdout, so its tail says how far it got
+    full_env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1", **(env or {}))
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=full_env, timeout=300)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd[0]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{cmd[0]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return proc, parse_json_records(proc.stdout + proc.stderr)["train_inner"]
 
 
@@ -80,10 +81,15 @@ def test_each_process_destroys_its_process_group_when_training_returns():
     dt.distributed_world_size, dt.distributed_rank = 1, 0
     dt.distributed_init_method = f"tcp://localhost:{_free_port()}"
     during = []
+
+    def main(cfg):
+        during.append(torch.distributed.get_backend(distributed_utils.get_global_group()))
+
     try:
-        distributed_utils.distributed_main(0, lambda cfg: during.append(torch.distributed.get_backend()), cfg, {})
+        distributed_utils.distributed_main(0, main, cfg, {})
         assert during == ["gloo"]
         assert not torch.distributed.is_initialized()
+        assert not hasattr(distributed_utils.get_global_group, "_global_group")  # fairseq's cache
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -100,12 +106,18 @@ def test_torchrun_two_cpu_processes_match_one_process(toy_data, tmp_path, one_pr
 def test_cpu_world_size_spawns_the_processes(toy_data, tmp_path, one_process):
     """fairseq-train --cpu --distributed-world-size 2, no launcher (stock: AssertionError, 0 GPUs).
     Rank 0 also measures the forward divergence every 4 updates, on the model inside the
-    data-parallel wrapper and alone (a collective on one rank would hang the run)."""
-    div = tmp_path / "div.jsonl"
+    data-parallel wrapper and alone (a collective on one rank would hang the run). The spawned
+    processes leave with os._exit after their atexit handlers: the fault plugin's dumps."""
+    div, dump = tmp_path / "div.jsonl", tmp_path / "dump"
+    dump.mkdir()
     proc, recs = run([BIN / "fairseq-train", *fault_args(toy_data, tmp_path, *BASE, "--distributed-world-size",
                                                           "2", "--max-update", "12", "--no-save",
                                                           "--precision-divergence-interval", "4",
-                                                          "--precision-divergence", div)])
+                                                          "--precision-divergence", div)],
+                     env={"FAULT_DUMP_DIR": str(dump)})
+    hashes = [json.loads((dump / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert hashes[0]["sha256"] == hashes[1]["sha256"]
+    assert hashes[0]["forwards"] == hashes[1]["forwards"] == 13  # 12 updates + 1 skipped
     assert "distributed init (rank 1): tcp://localhost:" in proc.stdout + proc.stderr
     _assert_same_trajectory(by_update(recs), one_process)
     lines = [json.loads(line) for line in div.read_text().splitlines()]

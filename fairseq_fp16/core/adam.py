@@ -115,8 +115,9 @@ class FusedAdamWLists:
     """``torch.optim.AdamW(fused=True).step()`` on tensor lists built once.
 
     torch's step walks every parameter in Python on each call (gradient and state lookups,
-    six list appends) and then regroups the lists by device and dtype: on a model of a few
-    hundred tensors that is most of the step's host time, which a fast GPU waits on. Here the
+    six list appends) and then regroups the lists by device and dtype: host time that grows
+    with the tensors, and that a fast GPU waits on (``bench_optimizer.py``'s fixed cost times
+    both ways). Here the
     lists of parameters, moments and step counts of each param group are built once the state
     exists and are kept while the optimizer holds the same state dict (``load_state_dict``
     makes a new one). Each call reads the gradients and makes torch's own calls: the step

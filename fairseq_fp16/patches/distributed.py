@@ -3,10 +3,12 @@ own spawn) and resume with torch >= 2.6."""
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
 import socket
+import sys
 
 import torch
 from fairseq.distributed import utils as distributed_utils
@@ -72,25 +74,41 @@ def _call_main(cfg, main, **kwargs):
 
 
 def _spawned_main(i, main, cfg, kwargs):
+    """One spawned CPU process: fairseq's distributed_main, then an exit without the
+    interpreter's teardown.
+
+    Even with the process groups destroyed (:func:`_distributed_main`), one gloo backend of a
+    fairseq run stays alive, held outside Python, and its threads were torn down with the
+    interpreter's static objects: now and then a finished process aborted there
+    (``terminate called without an active exception``, SIGABRT). So a process that finished
+    runs its ``atexit`` handlers, flushes its logs and streams and leaves with ``os._exit(0)``.
+    An exception still ends it the usual way (spawn reports it).
+    """
     # A spawned process starts afresh: unpickling this function imported the plugin, whose
     # import installs the patches (idempotent) before fairseq's distributed_main runs.
     from . import install
 
     install()
     distributed_utils.distributed_main(i, main, cfg, kwargs)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _distributed_main(i, main, cfg, kwargs):
-    """fairseq's distributed_main, then the process group destroyed once training returned.
+    """fairseq's distributed_main, then the process groups destroyed once training returned.
 
-    fairseq 0.12 leaves the group to the interpreter's exit. With gloo its worker threads can
-    then outlive the interpreter, and the process dies with ``terminate called without an
-    active exception`` (SIGABRT) after a finished run, now and then. fairseq's own barrier
-    ends its distributed_main, so every rank is done communicating by then.
+    fairseq 0.12 leaves them to the interpreter's exit, and keeps its global group in an
+    attribute of ``get_global_group``. fairseq's own barrier ends its distributed_main, so
+    every rank is done communicating by then.
     """
     _original("fairseq.distributed.utils:distributed_main")(i, main, cfg, kwargs)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if hasattr(distributed_utils.get_global_group, "_global_group"):
+        del distributed_utils.get_global_group._global_group
 
 
 def _distributed_init(cfg):
@@ -151,9 +169,9 @@ PATCHES = [
     Patch("fairseq.distributed.utils:distributed_main", group="repair", replacement=_distributed_main,
           expects=["cfg.distributed_training.device_id = i", 'kwargs.pop("start_rank", 0) + i',
                    "torch.distributed.barrier(get_global_group())"],
-          why="the process group was never destroyed, and a gloo process could abort at exit "
-              "(SIGABRT) after its run had finished; it is destroyed after fairseq's closing "
-              "barrier. The spawned CPU processes run fairseq's distributed_main too"),
+          why="the process groups were never destroyed; they are after fairseq's closing "
+              "barrier, fairseq's cached global group included. The spawned CPU processes "
+              "run fairseq's distributed_main too"),
     Patch("fairseq.distributed.utils:_broadcast_object_slow", group="repair", replacement=_broadcast_object_slow,
           expects=["broadcast(length, src=src_rank, group=group)", 'obj = torch.load(buffer, map_location="cpu")'],
           why="on resume rank 0 sends the loaded checkpoint state pickled; with torch >= 2.6 the "
