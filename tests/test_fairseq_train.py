@@ -181,3 +181,8 @@ def test_ema_fp32_averages_the_fp32_masters(toy_data, tmp_path):
         master = opt["master_params"][i]
         assert torch.equal(ema[name], master), name
     assert any(not torch.equal(m.half().float(), m) for m in opt["master_params"].values())
+    # the shared embeddings' other keys average the same master; nothing was saved tracking grads
+    shared = dict(zip(opt["master_names"].values(), opt["master_params"].values()))["encoder.embed_tokens.weight"]
+    for key in ("decoder.embed_tokens.weight", "decoder.output_projection.weight"):
+        assert torch.equal(ema[key], shared), key
+    assert [k for k, t in ema.items() if t.requires_grad] == []

@@ -13,7 +13,7 @@ from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 
 from .. import run_info
-from ..core.param_names import param_name, tag_param_names
+from ..core.param_names import tag_param_names
 from ..optim.mixed_precision import MixedPrecisionFairseqOptimizer
 from ..precision import Precision
 from .registry import Patch
@@ -91,20 +91,27 @@ _OPTIMIZERS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 class _MastersView:
-    """What the EMA reads of the model: its state dict with each half weight's fp32 master."""
+    """What the EMA reads of the model: its state dict with each half weight's fp32 master.
 
-    def __init__(self, model, masters) -> None:
-        self._model, self._masters = model, masters
+    Keys are matched to masters through the parameter they hold, so a tied weight (shared
+    embeddings: one parameter under several keys) reads its master under every key. The
+    masters are handed over detached: fairseq's EMA step runs outside ``no_grad``, and its
+    in-place updates from a tensor that requires grad would record an autograd graph in the
+    EMA's tensors, two nodes a tensor every update, that nothing frees.
+    """
+
+    def __init__(self, model, masters_by_param) -> None:
+        self._model, self._masters = model, masters_by_param
 
     def state_dict(self):
-        return {k: self._masters.get(k, v) for k, v in self._model.state_dict().items()}
+        return {k: self._masters.get(id(v), v).detach()
+                for k, v in self._model.state_dict(keep_vars=True).items()}
 
 
 def _ema_step(self, new_model, updates=None):
     optimizer = _OPTIMIZERS.get(id(new_model))
     if self.config.ema_fp32 and optimizer is not None and optimizer.core is not None:
-        masters = {param_name(p): m for p, m in optimizer.core._half_pairs}
-        new_model = _MastersView(new_model, masters)
+        new_model = _MastersView(new_model, optimizer.core.masters_by_param())
     return _original(EMA_STEP)(self, new_model, updates)
 
 
