@@ -11,7 +11,7 @@ Parameters are split into a decay group and a no-decay group by name.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.optim import optimizer as optim_hooks
@@ -19,7 +19,7 @@ from torch.optim import optimizer as optim_hooks
 from .param_names import param_name
 
 __all__ = ["ADAM_BACKENDS", "build_adam", "load_state_keeping_backend", "split_no_decay",
-           "AdamWNoBiasCorrection", "FusedAdamWLists"]
+           "AdamWNoBiasCorrection", "FusedAdamWLists", "fused_adamw_kernel_matches"]
 
 ADAM_BACKENDS = ("auto", "fused", "foreach", "apex")
 #: Param-group entries that say how torch's optimizers compute, not what they optimize.
@@ -111,55 +111,93 @@ def build_adam(
     return torch.optim.AdamW(groups, foreach=True, **kw)
 
 
+#: The private kernel :class:`FusedAdamWLists` calls, as torch 2.13 declares it; another
+#: declaration leaves the step to ``AdamW.step``.
+FUSED_ADAMW_SCHEMA = (
+    "aten::_fused_adamw_(Tensor(a!)[] self, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
+    "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor[] state_steps, *, float lr, "
+    "float beta1, float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, "
+    "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
+)
+
+
+def _fused_adamw_schemas() -> List[str]:
+    try:
+        return [str(s) for s in torch._C._jit_get_schemas_for_operator("aten::_fused_adamw_")]
+    except Exception:  # a torch without the operator, or without this introspection
+        return []
+
+
+_KERNEL_MATCHES: Optional[bool] = None
+
+
+def fused_adamw_kernel_matches() -> bool:
+    """Whether this torch declares ``torch._fused_adamw_`` as :data:`FUSED_ADAMW_SCHEMA` (read
+    once). The kernel is private: a torch that changed it keeps ``AdamW.step``'s own call."""
+    global _KERNEL_MATCHES
+    if _KERNEL_MATCHES is None:
+        _KERNEL_MATCHES = FUSED_ADAMW_SCHEMA in _fused_adamw_schemas()
+    return _KERNEL_MATCHES
+
+
 class FusedAdamWLists:
     """``torch.optim.AdamW(fused=True).step()`` on tensor lists built once.
 
     torch's step walks every parameter in Python on each call (gradient and state lookups,
     six list appends) and then regroups the lists by device and dtype: host time that grows
     with the tensors, and that a fast GPU waits on (``bench_optimizer.py``'s fixed cost times
-    both ways). Here the
-    lists of parameters, moments and step counts of each param group are built once the state
-    exists and are kept while the optimizer holds the same state dict (``load_state_dict``
-    makes a new one). Each call reads the gradients and makes torch's own calls: the step
-    counts incremented, ``torch._fused_adamw_``, and the increment taken back where
-    ``found_inf`` is set. The update is therefore bit-identical to ``optimizer.step()``.
+    both ways). Here the lists of parameters, moments and step counts of each param group are
+    built once every parameter has its state, and are kept while the optimizer holds the same
+    state dict (``load_state_dict`` makes a new one) and the same groups (``add_param_group``
+    adds one). Each call reads the gradients and makes torch's own calls: the step counts
+    incremented, ``torch._fused_adamw_``, and the increment taken back where ``found_inf`` is
+    set. The update is therefore bit-identical to ``optimizer.step()``.
 
     :meth:`step` returns False and does nothing where torch's step must run instead: a
     parameter without a gradient or without state (the first step), step hooks, a tensor
-    learning rate, amsgrad, ``maximize``, ``capturable``, or tensors on several devices or
-    dtypes.
+    learning rate, amsgrad, ``maximize``, ``capturable``, tensors on several devices or
+    dtypes, or a torch whose ``_fused_adamw_`` is not the one this class was written for
+    (:func:`fused_adamw_kernel_matches`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._key: Tuple[int, int] = (0, 0)
+        self._key: Tuple = ()
         self._lists: List[Tuple[List[torch.Tensor], ...]] = []
 
     @staticmethod
     def supports(optimizer: torch.optim.Optimizer) -> bool:
         """True for a fused ``torch.optim.AdamW`` whose groups this class can step."""
-        return type(optimizer) is torch.optim.AdamW and all(
+        return type(optimizer) is torch.optim.AdamW and fused_adamw_kernel_matches() and all(
             g.get("fused") and g.get("decoupled_weight_decay", True) and not g.get("amsgrad")
             and not g.get("maximize") and not g.get("capturable") and not g.get("differentiable")
             for g in optimizer.param_groups)
 
-    def _build(self) -> bool:
+    def _current_key(self) -> Tuple:
+        """What the lists were built from: the state dict, and each group's parameter list."""
         opt = self.optimizer
-        self._key, self._lists = (id(opt.state), id(opt.param_groups)), []
+        return (id(opt.state), *((id(g["params"]), len(g["params"])) for g in opt.param_groups))
+
+    def _build(self) -> bool:
+        """The lists of every group, or none (False): a group left out would not be stepped."""
+        opt = self.optimizer
+        self._key, self._lists = self._current_key(), []
         if not self.supports(opt):
             return False
         first = opt.param_groups[0]["params"][0]
+        lists = []
         for group in opt.param_groups:
             params = list(group["params"])
             states = [opt.state.get(p) for p in params]
             if any(not st for st in states):
                 return False
-            lists = (params, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                     [st["step"] for st in states])
-            for t in (t for tensors in lists for t in tensors):
+            group_lists = (params, [st["exp_avg"] for st in states],
+                           [st["exp_avg_sq"] for st in states], [st["step"] for st in states])
+            for t in (t for tensors in group_lists for t in tensors):
                 if (t.device, t.dtype) != (first.device, first.dtype):
                     return False
-            self._lists.append(lists)
+            lists.append(group_lists)
+        self._lists = lists
         return True
 
     def step(self, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> bool:
@@ -169,7 +207,7 @@ class FusedAdamWLists:
         if (optim_hooks._global_optimizer_pre_hooks or optim_hooks._global_optimizer_post_hooks
                 or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks):
             return False
-        if self._key != (id(opt.state), id(opt.param_groups)) or not self._lists:
+        if not self._lists or self._key != self._current_key():
             if not self._build():
                 return False
         grads = []

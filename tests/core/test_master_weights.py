@@ -409,3 +409,64 @@ def test_step_hooks_get_torch_step_and_run():
         opt.clip_grad_norm(0.0)
         opt.step()
     assert len(calls) == 2 and seen == [2]  # the first step (no state) and the hooked one
+
+
+def _fused_pair(seed=0):
+    """The same parameters twice, each in a fused AdamW with a decay and a no-decay group."""
+    pairs = []
+    for _ in range(2):
+        w, b, x = make_params(seed)
+        opt = torch.optim.AdamW([{"params": [w, x], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}],
+                                fused=True, lr=1e-2, betas=(0.9, 0.98))
+        pairs.append(opt)
+    return pairs
+
+
+@pytest.mark.parametrize("case", ["no-decay parameter without a gradient at step 1", "group added at step 4"])
+def test_the_cached_lists_step_every_group_as_torch_adamw(case):
+    """Every group is stepped as ``AdamW(fused=True).step()`` steps it: a group whose parameter
+    had no state when the lists were first built, and a group added by ``add_param_group``."""
+    from fairseq_fp16.core.adam import FusedAdamWLists
+
+    ours, ref = _fused_pair()
+    lists = FusedAdamWLists(ours)
+    one, zero = torch.ones(()), torch.zeros(())
+    cached = []
+    for step in range(8):
+        if case.startswith("group added") and step == 4:
+            for opt in (ours, ref):
+                opt.add_param_group({"params": [torch.nn.Parameter(torch.full((5,), 0.5))], "weight_decay": 0.0})
+        for opt in (ours, ref):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            random_grads(params, step)
+            if case.startswith("no-decay") and step == 0:
+                opt.param_groups[1]["params"][0].grad = None
+        ok = lists.step(one, zero)
+        if not ok:
+            ours.step()
+        cached.append(ok)
+        ref.step()
+    expected = [False, True, True, True, False, True, True, True] if case.startswith("group added") \
+        else [False, False, True, True, True, True, True, True]
+    assert cached == expected
+    for group, ref_group in zip(ours.param_groups, ref.param_groups):
+        for p, r in zip(group["params"], ref_group["params"]):
+            assert torch.equal(p, r)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(ours.state[p][key], ref.state[r][key]), key
+
+
+def test_a_torch_whose_fused_kernel_differs_steps_with_adamw_step(monkeypatch):
+    from fairseq_fp16.core import adam
+
+    assert adam.fused_adamw_kernel_matches()  # this torch: a change of torch's declaration fails here
+    monkeypatch.setattr(adam, "_KERNEL_MATCHES", None)
+    monkeypatch.setattr(adam, "_fused_adamw_schemas", lambda: [
+        adam.FUSED_ADAMW_SCHEMA.replace("bool maximize,", "bool maximize, float lr_ratio,")])
+    half, opt = mixed(backend="fused")
+    assert opt._fused_lists is None
+    calls = _torch_steps(opt)
+    for step in range(3):
+        random_grads(half, step, dtype=torch.float16)
+        opt.step()
+    assert len(calls) == 3
