@@ -63,7 +63,9 @@ class LossScaler:
     hysteresis added as DeepSpeed and Megatron define it:
 
     * after ``scale_window`` consecutive clean updates the scale is multiplied
-      by ``scale_factor`` (never above ``max_scale``, when set);
+      by ``scale_factor`` (never above ``max_scale``, when set); a window changed on the way
+      (:attr:`scale_window`) grows where the clean updates since the last overflow are a
+      multiple of it, as fairseq's does;
     * an overflow skips the update; the scale is divided by ``scale_factor``
       when the overflows since the last back-off, over the updates since the
       last rescale (growth or back-off), are at least ``tolerance`` (fairseq's
@@ -120,7 +122,7 @@ class LossScaler:
             raise ValueError(f"scale_window must be < 2**31, got {scale_window}")
         self.dynamic = dynamic
         self.init_scale = float(init_scale)
-        self.scale_window = int(scale_window)
+        self._scale_window = int(scale_window)
         self.scale_factor = float(scale_factor)
         self.tolerance = float(tolerance)
         self.hysteresis = int(hysteresis)
@@ -141,11 +143,12 @@ class LossScaler:
         self._steps_since_rescale = torch.zeros((), **i64)
         self._num_overflows = torch.zeros((), **i64)
         self._num_updates = torch.zeros((), **i64)
+        # _num_updates at the last overflow: a new window counts the clean updates since
+        self._last_overflow = torch.zeros((), **i64)
         # fairseq's defaults (every overflow backs off, no floor) with a factor whose inverse is
         # exact: the scale moves as torch's GradScaler moves it, in its one fused kernel
         self._fusable = (dynamic and self.tolerance <= 0 and self.hysteresis == 1
                          and self.threshold is None and math.frexp(self.scale_factor)[0] == 0.5)
-        self._fused = self._fusable
 
     # ------------------------------------------------------------------ hot path
     @property
@@ -164,16 +167,19 @@ class LossScaler:
         """
         found = found_inf.reshape(()).to(self._scale.device)
         overflow = found > 0
-        self._num_updates.add_(1)
-        self._num_overflows.add_(overflow)
         if not self.dynamic:
+            self._num_updates.add_(1)
+            self._num_overflows.add_(overflow)
             return
-        if self._fused:
+        # one multi-tensor launch on CUDA for the two counts that every update moves
+        torch._foreach_add_([self._num_updates, self._steps_since_rescale], 1)
+        self._num_overflows.add_(overflow)
+        self._last_overflow.masked_fill_(overflow, self._num_updates)
+        if self._fusable:
             self._fused_update(found.float(), overflow)
             return
         ov = overflow.long()
         self._prev_scale.copy_(self._scale)
-        self._steps_since_rescale.add_(1)
         self._overflows_since_rescale.add_(ov)
         self._hysteresis_left.sub_(ov).clamp_(min=0)
         pct = self._overflows_since_rescale.double() / self._steps_since_rescale.double()
@@ -206,9 +212,27 @@ class LossScaler:
         # the ceiling (GradScaler has none): a growth stops at max_scale, or where it started
         torch.minimum(self._scale, self._prev_scale.clamp(min=self.max_scale), out=self._scale)
         rescaled = self._clean_steps == 0  # a back-off or a growth restarts the count
-        self._steps_since_rescale.add_(1).masked_fill_(rescaled, 0)
+        self._steps_since_rescale.masked_fill_(rescaled, 0)
         self._overflows_since_rescale.masked_fill_(overflow, 0)
         self._hysteresis_left.masked_fill_(rescaled, 1).masked_fill_(overflow, 0)
+
+    @property
+    def scale_window(self) -> int:
+        """Clean updates between growths."""
+        return self._scale_window
+
+    @scale_window.setter
+    def scale_window(self, window: int) -> None:
+        """A new window (a per-epoch ``--update-freq``) counts from the last overflow, as
+        fairseq's ``DynamicLossScaler`` does (it grows where the clean updates since the last
+        overflow are a multiple of the window): the next growth comes at the next multiple of
+        the new window, and the count never starts beyond it (torch's fused update grows only
+        where the count reaches the window exactly). On the device, no sync."""
+        window = int(window)
+        if window < 1:
+            raise ValueError(f"scale_window must be >= 1, got {window}")
+        self._scale_window = window
+        self._clean_steps.copy_(torch.remainder(self._num_updates - self._last_overflow, window))
 
     # ------------------------------------------------------ reads (host syncs)
     @property
@@ -243,6 +267,7 @@ class LossScaler:
             "prev_scale": float(self._prev_scale),
             "dynamic": self.dynamic,
             "clean_steps": int(self._clean_steps),
+            "clean_since_overflow": int(self._num_updates - self._last_overflow),
             "hysteresis_left": int(self._hysteresis_left),
             "overflows_since_rescale": int(self._overflows_since_rescale),
             "steps_since_rescale": int(self._steps_since_rescale),
@@ -256,20 +281,21 @@ class LossScaler:
         A static scaler keeps its configured scale (the flag wins over the
         checkpoint); a dynamic one continues from the saved scale and counters.
         """
+        self._num_overflows.fill_(int(state.get("num_overflows", 0)))
+        self._num_updates.fill_(int(state.get("num_updates", 0)))
         if self.dynamic and state.get("dynamic", True):
             self._scale.fill_(float(state["scale"]))
             self._prev_scale.fill_(float(state.get("prev_scale", state["scale"])))
-            self._clean_steps.fill_(int(state["clean_steps"]))
-            # torch's fused update grows at exactly scale_window clean steps; a checkpoint of a
-            # longer window can hold more (a shorter --fp16-scale-window on resume)
-            self._fused = self._fusable and int(state["clean_steps"]) < self.scale_window
+            # a checkpoint of another window (--fp16-scale-window, --update-freq changed on
+            # resume) counts on from its last overflow, as a window changed in the run does
+            clean = int(state.get("clean_since_overflow", state["clean_steps"]))
+            self._last_overflow.copy_(self._num_updates - clean)
+            self.scale_window = self._scale_window
             self._hysteresis_left.fill_(
                 min(int(state["hysteresis_left"]), self.hysteresis)
             )
             self._overflows_since_rescale.fill_(int(state["overflows_since_rescale"]))
             self._steps_since_rescale.fill_(int(state["steps_since_rescale"]))
-        self._num_overflows.fill_(int(state.get("num_overflows", 0)))
-        self._num_updates.fill_(int(state.get("num_updates", 0)))
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"

@@ -81,7 +81,7 @@ def test_update_costs_no_host_sync():
 
 
 def unfused(scaler):
-    scaler._fused = False  # the general update, kernel by kernel
+    scaler._fusable = False  # the general update, kernel by kernel
     return scaler
 
 
@@ -95,7 +95,7 @@ def test_the_fused_update_moves_every_counter_as_the_general_one(init, window, m
     rng = random.Random(window)
     fused = LossScaler(init, scale_window=window, max_scale=max_scale)
     general = unfused(LossScaler(init, scale_window=window, max_scale=max_scale))
-    assert fused._fused
+    assert fused._fusable
     for _ in range(200):
         flag = OVERFLOW if rng.random() < 0.3 else CLEAN
         fused.update(flag)
@@ -112,14 +112,17 @@ def test_the_fused_update_launches_under_half_the_kernels():
     assert counts["fused"] <= 13 and counts["general"] >= 2 * counts["fused"], counts
 
 
-def test_a_checkpoint_past_a_shorter_window_grows_at_the_next_clean_update():
-    """torch's fused update grows at exactly the window; a saved count past a window shortened on
-    resume takes the general update, which grows at once, as fairseq's scaler does."""
+@pytest.mark.parametrize("fusable", [True, False], ids=["fused", "general"])
+def test_a_checkpoint_of_a_longer_window_grows_at_the_next_multiple_of_the_shorter(fusable):
+    """5 clean updates saved under a window of 10, resumed with a window of 3: the next growth
+    comes at the 6th clean update since the last overflow, then every 3 (fairseq's scaler grows
+    where that count is a multiple of its window)."""
     long_window = LossScaler(8.0, scale_window=10)
     run(long_window, ".....")
     resumed = LossScaler(8.0, scale_window=3)
+    resumed._fusable = fusable
     resumed.load_state_dict(long_window.state_dict())
-    assert run(resumed, "..") == [16, 16]
+    assert run(resumed, "....") == [16, 16, 16, 32]
 
 
 def test_state_round_trip_restores_every_counter():

@@ -143,3 +143,36 @@ def test_a_bf16_scale_never_grows_past_its_ceiling():
     for _ in range(20):
         unbounded.update(CLEAN)
     assert unbounded.loss_scale == 2.0**127  # never inf
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.25], ids=["fused", "general"])
+@pytest.mark.parametrize("windows", [(16, 4), (4, 16), (7, 3)])
+def test_a_window_changed_mid_run_moves_the_scale_as_fairseqs_scaler(tolerance, windows):
+    """A per-epoch --update-freq changes the window in the run (the trainer patch's begin_epoch):
+    the scale follows fairseq's DynamicLossScaler with its window changed at the same update,
+    also where the clean count is already past the new window (16 -> 4 after 10 clean updates
+    left the fused update's count past 4 for good: the scale never grew again)."""
+    rng = random.Random(sum(windows))
+    for trace in range(20):
+        first, second = windows
+        ref = DynamicLossScaler(128.0, scale_window=first, tolerance=tolerance)
+        ours = LossScaler(128.0, scale_window=first, tolerance=tolerance)
+        change = rng.randint(5, 30)
+        p_overflow = rng.choice([0.0, 0.02, 0.1])
+        for update in range(60):
+            if update == change:
+                ref.scale_window = ours.scale_window = second
+            overflow = 10 <= update < change and rng.random() < p_overflow
+            a, b = fairseq_step(ref, overflow), plugin_step(ours, overflow)
+            assert (a, ref.loss_scale) == (b, ours.loss_scale), (trace, update)
+
+
+def test_the_window_16_to_4_case_grows_as_fairseq():
+    ref = DynamicLossScaler(128.0, scale_window=16)
+    ours = LossScaler(128.0, scale_window=16)
+    for update in range(50):
+        if update == 10:
+            ref.scale_window = ours.scale_window = 4
+        fairseq_step(ref, False)
+        plugin_step(ours, False)
+    assert ours.loss_scale == ref.loss_scale == 128.0 * 2 ** 10  # growths at 12, 16, ..., 48
