@@ -1,6 +1,7 @@
 """fairseq_fp16.patches: every change to fairseq in one registry, checked against the installed
 fairseq, installed and uninstalled together."""
 
+import os
 import re
 import subprocess
 import sys
@@ -176,3 +177,57 @@ def test_errors_after_reading_are_not_called_damage(tmp_path):
 
     with pytest.raises(KeyError):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
+def _checkpoints(folder, saved):
+    """Checkpoint files of (name, num_updates or None for damaged bytes), oldest first."""
+    import torch
+
+    for age, (name, updates) in enumerate(reversed(saved)):
+        path = folder / name
+        if updates is None:
+            path.write_bytes(b"damaged" * 100)
+        else:
+            torch.save({"optimizer_history": [{"num_updates": updates}]}, path)
+        os.utime(path, (1e9 - age, 1e9 - age))
+
+
+def _fake_trainer_load(loaded):
+    """fairseq's Trainer.load_checkpoint as the fallback sees it: a damaged file raises, a missing
+    one starts afresh (None), an intact one loads."""
+    from fairseq_fp16.patches.checkpoints import DamagedCheckpointError
+
+    def load(self, filename, *args, **kwargs):
+        if not os.path.exists(filename):
+            loaded.append(None)
+            return None
+        with open(filename, "rb") as f:
+            if f.read(7) == b"damaged":
+                raise DamagedCheckpointError(f"fairseq_fp16: checkpoint {filename} is truncated or corrupt (EOFError: x)")
+        loaded.append(os.path.basename(filename))
+        return {"file": os.path.basename(filename)}
+
+    return load
+
+
+def test_a_truncated_checkpoint_last_falls_back_to_the_most_updates_on_every_rank(tmp_path, monkeypatch, caplog):
+    """checkpoint_best.pt saved at update 7 (as the lost checkpoint_last.pt) wins over the newer
+    file checkpoint_2_6.pt; a damaged candidate is passed over; two ranks reading the file in turn
+    (--load-checkpoint-on-all-dp-ranks) both resume from it."""
+    from fairseq_fp16.patches import checkpoints as ck
+
+    _checkpoints(tmp_path, [("checkpoint_best.pt", 7), ("checkpoint_2_6.pt", 6), ("checkpoint_1_5.pt", 5),
+                            ("checkpoint_2_8.pt", None), ("checkpoint_last.pt", None)])
+    assert [(os.path.basename(p), u) for p, u in ck.intact_alternatives(str(tmp_path / "checkpoint_last.pt"))] == [
+        ("checkpoint_best.pt", 7), ("checkpoint_2_6.pt", 6), ("checkpoint_1_5.pt", 5), ("checkpoint_2_8.pt", None)]
+    loaded = []
+    monkeypatch.setattr(ck, "_original", lambda target: _fake_trainer_load(loaded))
+    with caplog.at_level("WARNING"):
+        for rank in (0, 1):
+            assert ck._load_checkpoint_or_an_intact_one(None, str(tmp_path / "checkpoint_last.pt")) == \
+                {"file": "checkpoint_best.pt"}
+    assert loaded == ["checkpoint_best.pt", "checkpoint_best.pt"]
+    assert "resumed from checkpoint_best.pt (update 7), the intact checkpoint beside it with the most updates" \
+        in caplog.text
+    assert (tmp_path / "checkpoint_last.pt.damaged").read_bytes() == b"damaged" * 100
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp" in p.name) == []

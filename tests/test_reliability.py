@@ -219,7 +219,8 @@ def test_a_truncated_checkpoint_last_resumes_from_the_newest_intact_one(toy_data
     proc, rest = train_faulty(toy_data, tmp_path, *flags)
     assert re.search(rf"fairseq_fp16: {re.escape(str(ckpt))} is truncated or corrupt \(RuntimeError: "
                      r"PytorchStreamReader failed reading zip archive: failed finding central directory\); "
-                     r"resumed from checkpoint_1_8\.pt, the newest intact checkpoint beside it; the damaged "
+                     r"resumed from checkpoint_1_8\.pt \(update 8\), the intact checkpoint beside it with the most "
+                     r"updates; the damaged "
                      r"file is kept as checkpoint_last\.pt\.damaged", proc.stdout + proc.stderr), proc.stdout[-2000:]
     assert (tmp_path / "checkpoint_last.pt.damaged").read_bytes() == damaged
     assert [r["num_updates"] for r in rest] == [9, 10, 11, 12]

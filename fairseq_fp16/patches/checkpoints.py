@@ -8,6 +8,9 @@ import os
 import pickle
 import re
 import shutil
+from typing import List, Optional, Tuple
+
+import torch
 
 from fairseq.file_io import PathManager
 
@@ -133,14 +136,31 @@ def _read_checkpoint(path, arg_overrides=None, load_on_all_ranks=False):
 LAST = "checkpoint_last.pt"
 
 
-def intact_alternatives(path: str):
-    """The other checkpoint files beside ``path``, the candidates to resume from: newest first,
-    ``checkpoint_best*.pt`` last (the best validation score is not the latest state)."""
+def saved_num_updates(path: str) -> Optional[int]:
+    """The updates a checkpoint file was saved at (None: unreadable). The file is mapped, not
+    read: only its pickled structure is unpickled, weights-only."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return int(state["optimizer_history"][-1]["num_updates"])
+    except Exception:
+        return None
+
+
+def intact_alternatives(path: str) -> List[Tuple[str, Optional[int]]]:
+    """The other checkpoint files beside ``path``, the candidates to resume from, with the
+    updates each was saved at: the most updates first (a ``checkpoint_best.pt`` saved at the
+    last update is as new as the lost ``checkpoint_last.pt``); among equals, the file a save
+    wrote before the copies fairseq makes of it (``checkpoint_best*.pt``), then the newer;
+    unreadable files last."""
     folder = os.path.dirname(os.path.abspath(path))
-    names = [f for f in os.listdir(folder)
-             if f.endswith(".pt") and os.path.join(folder, f) != os.path.abspath(path)]
-    names.sort(key=lambda f: (f.startswith("checkpoint_best"), -os.path.getmtime(os.path.join(folder, f))))
-    return [os.path.join(folder, f) for f in names]
+    found = []
+    for f in os.listdir(folder):
+        full = os.path.join(folder, f)
+        if f.endswith(".pt") and full != os.path.abspath(path):
+            found.append((full, saved_num_updates(full), f.startswith("checkpoint_best"),
+                          os.path.getmtime(full)))
+    found.sort(key=lambda c: (c[1] is None, -(c[1] or 0), c[2], -c[3]))
+    return [(full, updates) for full, updates, _, _ in found]
 
 
 #: the trainers loading a checkpoint to resume (their checkpoint's optimizer state is read
@@ -164,18 +184,23 @@ def _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs):
         if os.path.basename(str(filename)) != LAST:
             raise
         damaged = err
-    for candidate in intact_alternatives(str(filename)):
+    for candidate, updates in intact_alternatives(str(filename)):
         try:
             extra_state = original(self, candidate, *args, **kwargs)
         except DamagedCheckpointError:
             continue
+        # The damaged bytes are copied aside, not moved: under --load-checkpoint-on-all-dp-ranks
+        # every rank reads checkpoint_last.pt, and a rank that found it gone would start afresh.
+        # The run's next save replaces it.
         kept = str(filename) + ".damaged"
-        os.replace(filename, kept)  # the run writes a new checkpoint_last.pt; keep these bytes
+        tmp = f"{kept}.tmp{os.getpid()}"
+        shutil.copyfile(filename, tmp)
+        os.replace(tmp, kept)
         logger.warning(
-            "fairseq_fp16: %s is truncated or corrupt (%s); resumed from %s, the newest intact "
-            "checkpoint beside it; the damaged file is kept as %s", filename,
+            "fairseq_fp16: %s is truncated or corrupt (%s); resumed from %s (update %s), the intact "
+            "checkpoint beside it with the most updates; the damaged file is kept as %s", filename,
             str(damaged).split(" (", 1)[1].split(")", 1)[0], os.path.basename(candidate),
-            os.path.basename(kept))
+            "?" if updates is None else updates, os.path.basename(kept))
         return extra_state
     raise damaged
 
@@ -194,8 +219,9 @@ PATCHES = [
     Patch(TRAINER_LOAD, group="repair", replacement=_load_checkpoint,
           expects=["state = checkpoint_utils.load_checkpoint_to_cpu("],
           why="a truncated or corrupt checkpoint_last.pt (a kill while stock fairseq copied it) "
-              "stops every resume; the run resumes from the newest intact checkpoint beside it "
-              "with a warning naming both files, the damaged one kept as .damaged; and a stock "
+              "stops every resume; the run resumes from the intact checkpoint beside it with the "
+              "most updates, with a warning naming both files, the damaged one copied to .damaged; "
+              "and a stock "
               "fairseq checkpoint's optimizer state (FairseqAdam, FP16Optimizer) is read into the "
               "plugin's optimizer instead of refused as 'Optimizer does not match'"),
     Patch(LOAD, group="repair", replacement=_load_checkpoint_to_cpu,
