@@ -46,7 +46,7 @@ def test_each_target_is_patched_once_and_every_patch_says_why():
         REGISTRY.add(Patch("fairseq.trainer:Trainer.train_step", why="again", group="repair"))
     with pytest.raises(ValueError, match="group must be one of"):
         Patch("fairseq.trainer:Trainer.x", why="", group="feature")
-    table = patches.describe().splitlines()
+    table = patches.describe().split("\n\n")[0].splitlines()
     assert table[0] == "| fairseq | group | kind | why |" and len(table) == len(targets) + 2
     groups = [row.split(" | ")[1] for row in table[2:]]
     assert groups == sorted(groups, key=("repair", "precision").index)  # repairs first
@@ -231,3 +231,30 @@ def test_a_truncated_checkpoint_last_falls_back_to_the_most_updates_on_every_ran
         in caplog.text
     assert (tmp_path / "checkpoint_last.pt.damaged").read_bytes() == b"damaged" * 100
     assert sorted(p.name for p in tmp_path.iterdir() if ".tmp" in p.name) == []
+
+
+def test_every_patch_checks_the_fairseq_it_was_written_for():
+    assert [p.target for p in REGISTRY.patches if not p.expects and p.condition is None] == []
+
+
+@pytest.mark.parametrize("target,other", [
+    ("fairseq.data.iterators:_sentinel", None),
+    ("fairseq.models.distributed_fairseq_model:DistributedDataParallel", object),
+    ("fairseq.checkpoint_utils:PathManager", object()),
+])
+def test_a_condition_tells_another_object_from_fairseqs(target, other):
+    patch = REGISTRY.get(target)
+    assert patch.condition(patch.original) is None
+    assert patch.condition(other)  # says what differs
+
+
+def test_describe_lists_the_process_wide_settings_with_their_values():
+    from fairseq_fp16.core.compile import RECOMPILE_LIMIT, compile_training_forward
+    import torch._dynamo
+
+    settings = dict(row.split(" | ")[0::3] for row in patches.describe().split("\n\n")[1].splitlines()[2:])
+    assert settings["| torch's weights-only allow-list"] == "argparse.Namespace |"
+    compile_training_forward([torch.nn.Linear(2, 2)], backend="eager")
+    settings = dict(row.split(" | ")[0::3] for row in patches.describe().split("\n\n")[1].splitlines()[2:])
+    assert settings["| torch._dynamo.config.recompile_limit"] == f"{torch._dynamo.config.recompile_limit} |"
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT

@@ -3,6 +3,7 @@ name a damaged or refused checkpoint file."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import pickle
@@ -15,7 +16,7 @@ import torch
 from fairseq.file_io import PathManager
 
 from .. import safe_load
-from ..optim.stock_state import mark_stock_state
+from ..optim.stock_state import prepare_for_resume
 from .registry import Patch
 from .registry import original as _original
 from .trainer import plugin_optimizer_applies
@@ -112,7 +113,7 @@ def _raised_reading(err: BaseException) -> bool:
 def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     state = _read_checkpoint(path, arg_overrides, load_on_all_ranks)
     if _RESUMING and plugin_optimizer_applies(_RESUMING[-1].cfg):
-        stock = mark_stock_state(state)
+        stock = prepare_for_resume(state)
         if stock:
             logger.info("fairseq_fp16: %s was written by stock fairseq (%s): its optimizer state "
                         "is read into the plugin's optimizer", path, stock)
@@ -208,8 +209,17 @@ def _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs):
 TRAINER_LOAD = "fairseq.trainer:Trainer.load_checkpoint"
 
 
+def _copies_local_files(path_manager) -> Optional[str]:
+    """fairseq's PathManager has ``copy(src_path, dst_path, overwrite)``, the call replaced."""
+    try:
+        params = list(inspect.signature(path_manager.copy).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return "it has no copy()"
+    return None if params[:3] == ["src_path", "dst_path", "overwrite"] else f"copy{tuple(params)}"
+
+
 PATCHES = [
-    Patch(COPY, group="repair", replacement=_AtomicCopyPathManager(),
+    Patch(COPY, group="repair", replacement=_AtomicCopyPathManager(), condition=_copies_local_files,
           why="save_checkpoint writes the first file of a save atomically but copies it to "
               "checkpoint_last.pt/checkpoint_best.pt in place, so a kill during the copy leaves "
               "a truncated file; the module's PathManager copies local files through .tmp and a "

@@ -4,11 +4,13 @@ own spawn) and resume with torch >= 2.6."""
 from __future__ import annotations
 
 import atexit
+import inspect
 import io
 import logging
 import os
 import socket
 import sys
+from typing import Optional
 
 import torch
 from fairseq.distributed import utils as distributed_utils
@@ -154,8 +156,22 @@ class DeviceAwareDDP(DistributedDataParallel):
         super().__init__(module, device_ids=device_ids, output_device=output_device, **kwargs)
 
 
+def _torch_ddp_with_device_ids(original) -> Optional[str]:
+    """The name is torch's DDP, and fairseq builds it with ``device_ids=[args.device_id]``."""
+    from fairseq.models import distributed_fairseq_model
+
+    if original is not DistributedDataParallel:
+        return f"it is {original!r}, not torch's DistributedDataParallel"
+    if "device_ids=[args.device_id]" not in inspect.getsource(distributed_fairseq_model.DistributedFairseqModel):
+        return "DistributedFairseqModel no longer passes device_ids=[args.device_id]"
+    return None
+
+
 PATCHES = [
     Patch("fairseq.distributed.utils:infer_init_method", group="repair", replacement=_infer_init_method,
+          expects=["if cfg.distributed_init_method is not None or cfg.tpu:",
+                   'for key in ["MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"]',
+                   "cfg.distributed_num_procs = min("],
           why="under torchrun without a GPU fairseq computes rank % torch.cuda.device_count() "
               "(ZeroDivisionError) and without --distributed-world-size trains each process "
               "alone; world size, rank and local rank come from torchrun's environment, and "
@@ -178,7 +194,7 @@ PATCHES = [
               "others unpickle it weights-only and fail on the omegaconf config inside; the "
               "bytes come from rank 0, which loaded the file weights-only"),
     Patch("fairseq.models.distributed_fairseq_model:DistributedDataParallel", group="repair",
-          replacement=DeviceAwareDDP,
+          replacement=DeviceAwareDDP, condition=_torch_ddp_with_device_ids,
           why="fairseq passes device_ids=[device_id], which DDP refuses for CPU modules; they "
               "are left out for a module that is not on a GPU"),
 ]

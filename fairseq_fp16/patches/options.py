@@ -24,6 +24,8 @@ def _parse_args_and_arch(parser, input_args=None, *args, **kwargs):
 
 PATCHES = [
     Patch(PARSE, group="repair", replacement=_parse_args_and_arch,
+          expects=["if args.bf16:", "args.tpu = True",
+                   'raise ValueError("Cannot combine --fp16 and --tpu, use --bf16 on TPUs")'],
           why="fairseq turns --bf16 into --tpu before it sees --fp16, and then complains about "
               "--tpu; --fp16 --bf16 is refused by argparse naming both flags"),
 ]

@@ -94,5 +94,6 @@ PATCHES = [
               "torch's C++ code (SIGABRT after 'done training'); the replacement returns once "
               "an atexit handler asks it to, before the interpreter tears threads down"),
     Patch("fairseq.data.iterators:_sentinel", group="repair",
+          condition=lambda sentinel: None if type(sentinel) is object else f"it is a {type(sentinel).__name__}",
           why="relied on: the end-of-data marker the replacement puts into the queue"),
 ]
