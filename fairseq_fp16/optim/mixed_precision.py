@@ -40,7 +40,7 @@ from ..core.diagnostics import (
 from ..core.loss_scaler import LossScaler
 from ..core.master_weights import MixedPrecisionOptimizer
 from ..core.param_names import param_name
-from .stock_state import import_stock_state, stock_loss_scale
+from .stock_state import check_same_optimizer, describe_state, import_stock_state, stock_loss_scale
 from ..precision import NAMES, Precision
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             precision = Precision.from_flags(precision == "fp16", precision == "bf16",
                                              getattr(_section(cfg, "task"), "loss_scale", None))
         self.precision = precision.name
+        #: the --optimizer it wraps, recorded in checkpoints: a resume with another is refused
+        self.optimizer_name = getattr(_section(cfg, "optimizer"), "_name", None)
         params = list(params)
         self.num_skipped = 0  # updates skipped for overflow (host-side count)
         self.consecutive_overflows = 0  # skipped updates in a row (host-side)
@@ -207,18 +209,27 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
     def state_dict(self) -> Dict[str, Any]:
         state = self.strategy.state_dict()
         state["precision"] = self.precision
+        state["optimizer_name"] = self.optimizer_name
         state["num_skipped"] = self.num_skipped
         return state
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         """Load a state from any precision, a bare torch optimizer state, or a stock fairseq
-        optimizer's (:mod:`fairseq_fp16.optim.stock_state`)."""
+        optimizer's (:mod:`fairseq_fp16.optim.stock_state`).
+
+        Raises:
+            ValueError: for a state written with another ``--optimizer`` (fairseq's advice:
+                ``--reset-optimizer``).
+        """
         if "precision" not in state_dict:  # a plain optimizer state
             state_dict = {"precision": "fp32", "optimizer": state_dict}
-        if state_dict["precision"] == "stock":
+        stock = state_dict["precision"] == "stock"
+        check_same_optimizer(state_dict.get("stock_optimizer" if stock else "optimizer_name"),
+                             self.optimizer_name, stock)
+        if stock:
             state_dict = self.strategy.from_stock(state_dict)
-            logger.info("fairseq_fp16: resumed from stock fairseq's %s state: Adam moments and "
-                        "steps%s carried over", state_dict.pop("stock"),
+            logger.info("fairseq_fp16: resumed from stock fairseq's %s state: %s%s carried over",
+                        state_dict.pop("stock"), describe_state(state_dict["optimizer"]),
                         "".join(f", {k}" for k in state_dict.pop("carried")))
         self.num_skipped = int(state_dict.get("num_skipped", 0))
         self.consecutive_overflows = int(state_dict.get("consecutive_overflows", 0))
@@ -448,21 +459,29 @@ class _MasterWeights:
         if scale is not None and self.loss_scaler.dynamic:
             scaler = dict(self.loss_scaler.state_dict(), scale=scale, prev_scale=scale)
             carried.append(f"loss scale {scale:g}")
-        weights = state_dict.get("fp32_weights") or {}
-        masters, names = {}, {}
-        for i, (p, _) in zip(core._half_index, core._half_pairs):
-            name = param_name(p)
-            if name in weights:
-                masters[i], names[i] = weights[name], name
+        masters, names = self._masters_from(state_dict.get("fp32_weights") or {})
         if masters:
             carried.append("fp32 weights as masters")
         return {"precision": self.precision.name, "optimizer": torch_state, "scaler": scaler,
                 "master_params": masters, "master_names": names, "stock": stock, "carried": carried}
 
+    def _masters_from(self, weights: Dict[str, torch.Tensor]):
+        """(masters, names) by parameter position: each half parameter's fp32 weight in
+        ``weights`` (an fp32 checkpoint's model, by name)."""
+        core, masters, names = self.core, {}, {}
+        for i, (p, _) in zip(core._half_index, core._half_pairs):
+            name = param_name(p)
+            if name in weights:
+                masters[i], names[i] = weights[name], name
+        return masters, names
+
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         saved = dict(state_dict)
         if state_dict["precision"] == "fp32":
             saved["scaler"] = None  # an fp32 run has no scale to continue
+            if not saved.get("master_params"):  # its weights are exact: the masters
+                saved["master_params"], saved["master_names"] = self._masters_from(
+                    state_dict.get("fp32_weights") or {})
         self.core.load_state_dict(saved)
         if self.diagnostics is not None:  # the trace's update numbers continue: every attempted
             self.diagnostics.attempt = int(self.loss_scaler.state_dict()["num_updates"])  # update
