@@ -1,7 +1,7 @@
 """A mixed-precision run's checkpoints: the exact fp32 master weights exported into the model
-(``scripts/export_fp32_checkpoint.py``, :data:`EXPORT_DOC`), and the weights of a run's last
+(``scripts/export_fp32_checkpoint.py``, :data:`EXPORT_DOC`), the weights of a run's last
 checkpoints averaged, a half run's from its fp32 masters (``scripts/average_checkpoints.py``,
-:data:`AVERAGE_DOC`).
+:data:`AVERAGE_DOC`), and a run's counters at its end (:func:`run_end`, for ``compare.py``).
 
 Imports torch and the plugin (``fairseq_fp16`` registers the task and allow-lists fairseq's
 globals for ``torch.load``).
@@ -38,7 +38,8 @@ training exactly as IN does.
 The model is rebuilt from the checkpoint's own configuration to map positions
 to names (its task loads the dictionaries from the data directory it was
 trained on; ``--data`` points elsewhere). Each master is checked to round to the
-weight IN holds: a checkpoint whose masters do not fit its model is refused.
+weight IN holds: a checkpoint whose masters do not fit its model is refused, and so is
+one exported already (its weights are its masters: there is nothing left to export).
 """
 #: scripts/average_checkpoints.py's help
 AVERAGE_DOC = """Average the weights of a run's last checkpoints into one checkpoint to decode.
@@ -145,7 +146,8 @@ def put_masters(src: Path, weights: Dict[str, torch.Tensor], precision: str, mas
     (elements whose value differs from the weight ``weights`` held).
 
     Raises:
-        ValueError: when a master does not round to the weight ``weights`` holds under its name.
+        ValueError: when a master does not round to the weight ``weights`` holds under its name;
+            saying the checkpoint is already exported when that weight is the master itself.
     """
     half = HALF_DTYPES[precision]
     replaced, written, changed = 0, 0, 0
@@ -157,6 +159,12 @@ def put_masters(src: Path, weights: Dict[str, torch.Tensor], precision: str, mas
             saved = weights.get(name)
             if saved is None or saved.shape != master.shape or not torch.equal(
                     master.to(half).to(saved.dtype), saved):
+                if saved is not None and saved.shape == master.shape and torch.equal(master, saved):
+                    # the weight is its master, and no half value: the masters are in already
+                    raise ValueError(f"{src} is already exported (scripts/export_fp32_checkpoint.py's "
+                                     f"output): its model weights are the fp32 masters themselves "
+                                     f"({name!r} is not rounded to {precision}), so it is an fp32 "
+                                     "checkpoint with no masters left to export")
                 raise ValueError(f"{src}: the fp32 master of parameter {i} does not round to the "
                                  f"model's weight {name!r}: the masters do not fit this model")
             changed += int((master != saved).sum())
@@ -180,6 +188,26 @@ def export(src: Path, dst: Path, data: str = None) -> Dict[str, object]:
     summary = put_masters(src, state["model"], precision, masters, checkpoint_names(src, data))
     torch.save(state, dst)
     return {"precision": precision, **summary}
+
+
+def run_end(path: Path) -> Dict[str, object]:
+    """A run's counters at its end, from its last checkpoint: ``updates`` (fairseq's
+    ``num_updates``), ``skipped_updates`` and ``final_loss_scale``.
+
+    The plugin's optimizer state holds ``num_skipped`` and its loss scaler's state (no scaler in
+    fp32: the scale is None); stock fairseq's ``--fp16`` state holds ``loss_scale`` and no count
+    of skipped updates (None). Both are None for a checkpoint saved without its optimizer state.
+    """
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the tensors stay on disk
+    opt = state.get("last_optimizer_state")
+    opt = opt if isinstance(opt, dict) else {}
+    if "precision" in opt:  # the plugin's MixedPrecisionFairseqOptimizer
+        skipped, scale = opt.get("num_skipped"), (opt.get("scaler") or {}).get("scale")
+    else:
+        skipped, scale = None, opt.get("loss_scale")
+    return {"updates": int(state["optimizer_history"][-1]["num_updates"]),
+            "skipped_updates": None if skipped is None else int(skipped),
+            "final_loss_scale": None if scale is None else float(scale)}
 
 
 INTERVAL_CHECKPOINT = re.compile(r"checkpoint_(\d+)_(\d+)\.pt")

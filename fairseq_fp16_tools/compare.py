@@ -4,11 +4,13 @@ For each mode (same data, seed and hyper-parameters) this runs ``fairseq-train``
 then ``fairseq-generate`` on the test split, scores the detokenised output
 with sacrebleu (BLEU and chrF, with signatures), and writes
 ``OUT/<mode>/result.json`` (timings, peak memory, losses, loss-scale trace,
-skipped updates, scores, the machine, and what the run used as the plugin's
+updates, skipped updates and loss scale at the run's end whatever the
+--log-interval, scores, the machine, and what the run used as the plugin's
 ``SAVE_DIR/run_info.json`` records it: the CPU matrix-product path, batch
 lengths, loss, attention; ``fairseq_fp16_tools/runs.py`` has the schema) plus the
-hypothesis and reference files. Tables and plots come from
-``scripts/report.py OUT``.
+hypothesis and reference files. ``OUT/settings.json`` (the shared flags and
+the modes asked for) is written before the first run trains. Tables and plots
+come from ``scripts/report.py OUT``.
 
     python scripts/compare.py DATA_BIN --out OUT --modes fp32,fp16,bf16 \\
         --train-args "--arch transformer --lr 1e-3 ... --max-update 500" \\
@@ -16,7 +18,8 @@ hypothesis and reference files. Tables and plots come from
 
 Modes: fp32, fp16, bf16 (the plugin: --task translation_fp16 --optimizer
 fp16_adam) and fp16-stock (stock fairseq --fp16: --task translation
---optimizer adam, no --user-dir; it needs CUDA). ``MODE@seedN`` (e.g.
+--optimizer adam, no --user-dir; it needs CUDA, and is refused before any
+training where torch sees none). ``MODE@seedN`` (e.g.
 fp32@seed2) adds a run of MODE with seed N: the seed-to-seed control, whose
 difference to fp32 shows how much two trainings differ without any change of
 precision. Do not put --task, --optimizer, --seed, --save-dir or precision
@@ -45,7 +48,7 @@ from pathlib import Path
 
 from .paths import USER_DIR, script
 from .runs import (DECODE_SETTINGS, RUN_INFO, SETTING_DEFAULTS, TRAIN_SETTINGS, parse_json_records,
-                   read_generate_output, run_info_fields)
+                   read_generate_output, read_json, rerun_hint, run_info_fields)
 
 MODES = {
     "fp32": {"flags": [], "plugin": True},
@@ -57,6 +60,23 @@ MODES = {
 #: difference to fp32 is training-to-training variation alone.
 MODE_SPEC = re.compile(r"^(?P<base>[a-z0-9-]+?)(?:@seed(?P<seed>\d+))?$")
 FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
+#: what fairseq's trainer logs for each update stock fairseq skips (it keeps no count of them)
+STOCK_OVERFLOW = "gradient overflow detected"
+
+
+def cannot_run(base: str, train_args: str):
+    """Why the mode ``base`` cannot train here with ``train_args`` (None when it can): stock
+    fairseq's ``--fp16`` (fp16-stock) runs on CUDA only; the plugin's modes run anywhere."""
+    if base != "fp16-stock":
+        return None
+    if "--cpu" in shlex.split(train_args):
+        return "stock fairseq's --fp16 trains on CUDA only, and --train-args has --cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("stock fairseq's --fp16 needs CUDA, and torch sees no CUDA device here "
+                "(the plugin's fp16 mode trains on the CPU)")
+    return None
 
 
 def flag_value(tokens, flag: str):
@@ -198,6 +218,26 @@ def decode_run(mode: str, spec: dict, a, run_dir: Path) -> dict:
             "generate_last": decode(mode, spec, a, run_dir, tag="-last")}
 
 
+def train_end(ckpt: Path, log: dict, log_text: str) -> dict:
+    """result.json's ``updates``, ``skipped_updates`` and ``final_loss_scale``: the run's at its
+    end, whatever --log-interval was (the last train_inner record can be an interval old).
+
+    From the last checkpoint (:func:`checkpoints.run_end`); where it lacks them (saved without
+    its optimizer state) from fairseq's record of the last epoch, whose ``skipped`` and
+    ``loss_scale`` are the last update's (logged with weight 0, so never averaged); stock
+    fairseq counts no skipped updates, but logs each (:data:`STOCK_OVERFLOW`).
+    """
+    from .checkpoints import run_end
+
+    end = run_end(ckpt)
+    epoch = log["train"][-1] if log["train"] else {}
+    if end["skipped_updates"] is None:
+        end["skipped_updates"] = int(epoch.get("skipped", log_text.count(STOCK_OVERFLOW)))
+    if end["final_loss_scale"] is None:
+        end["final_loss_scale"] = epoch.get("loss_scale")
+    return end
+
+
 def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
     mode, spec = name, MODES[base]
     run_dir = out / mode
@@ -213,12 +253,15 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
                   *shlex.split(a.train_args), *spec["flags"]]
     banner(f"[{mode}] training: fairseq-train {' '.join(spec['flags']) or '(fp32)'}")
     t_stats = run_with_stats(run_dir / "train_stats.json", "fairseq-train", train_args, log_file)
-    log = parse_json_records(log_file.read_text())
+    log_text = log_file.read_text()
+    log = parse_json_records(log_text)
     inner = log["train_inner"]
     if not inner:
         raise SystemExit(f"[{mode}] no train_inner records in {log_file}; use --log-interval")
-
-    updates = int(inner[-1]["num_updates"])
+    if not (ckpt_dir / "checkpoint_last.pt").is_file():
+        raise SystemExit(f"[{mode}] {ckpt_dir / 'checkpoint_last.pt'} is missing: compare.py reads the run's "
+                         "end from it and decodes it (no --no-save or --no-last-checkpoints in --train-args)")
+    end = train_end(ckpt_dir / "checkpoint_last.pt", log, log_text)
     # fairseq's per-interval rates; the first interval includes start-up, so skip it
     steady = inner[1:] or inner
     ups = [r["ups"] for r in steady if isinstance(r.get("ups"), (int, float))]
@@ -242,11 +285,12 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
             "wall_s": round(t_stats["wall_s"], 2),
             "peak_rss_mb": round(t_stats["peak_rss_mb"], 1),
             "peak_cuda_mb": t_stats["peak_cuda_mb"],
-            "updates": updates,
+            "updates": end["updates"],
             "updates_per_s": round(sum(ups) / len(ups), 3) if ups else None,
             "words_per_s": round(sum(wps) / len(wps), 1) if wps else None,
-            "skipped_updates": int(inner[-1].get("skipped", 0) or 0),
-            "final_loss_scale": inner[-1].get("loss_scale"),
+            # at the run's end, not at its last logged interval
+            "skipped_updates": end["skipped_updates"],
+            "final_loss_scale": end["final_loss_scale"],
             "train_inner": inner,
             "valid": [dict(v, wall=wall_at(v.get("num_updates", 0))) for v in log["valid"]],
             "epochs": log["train"],
@@ -318,14 +362,16 @@ def main(argv=None) -> None:
                      f"in --train-args, not {keep_n}")
     runs = [("fp32", "fp32", a.seed)] + list(dict.fromkeys(p for p in parsed if p[0] != "fp32"))
     modes = [name for name, _, _ in runs]
-    a.out.mkdir(parents=True, exist_ok=True)
     settings = {"data": str(a.data), "modes": modes, "train_args": a.train_args, "gen_args": a.gen_args,
                 "gen_subset": a.gen_subset, "short_max_words": a.short_max_words,
                 "average_last": a.average_last, "seed": a.seed,
                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    keep = set()
+    keep = {}
     if a.keep_existing and (a.out / "settings.json").exists():
-        old = json.loads((a.out / "settings.json").read_text())
+        try:
+            old = read_json(a.out / "settings.json", "delete it to train every run again, or use another --out")
+        except ValueError as e:
+            ap.error(f"--keep-existing: {e}")
         differ = [k for k in (*TRAIN_SETTINGS, *(() if a.redecode else DECODE_SETTINGS))
                   if old.get(k, SETTING_DEFAULTS.get(k)) != settings[k]]
         if differ:
@@ -333,13 +379,24 @@ def main(argv=None) -> None:
                     else " (or --redecode to decode the kept runs with the new ones)")
             ap.error(f"--keep-existing: {a.out} was made with other {', '.join(differ)}; "
                      f"use another --out or the same flags{hint}")
-        keep = {name for name in modes if (a.out / name / "result.json").exists()}
+        try:  # read now: a result.json cut short stops the comparison before any training
+            keep = {name: read_json(a.out / name / "result.json", rerun_hint(a.out, [name]))
+                    for name in modes if (a.out / name / "result.json").exists()}
+        except ValueError as e:
+            ap.error(f"--keep-existing: {e}")
         settings["started"] = old.get("started", settings["started"])
+    blocked = [f"{name} cannot run here: {why}" for name, base, _ in runs
+               if (name not in keep or a.redecode) and (why := cannot_run(base, a.train_args))]
+    if blocked:
+        ap.error(f"--modes: {'; '.join(blocked)}; leave {'it' if len(blocked) == 1 else 'them'} out of --modes")
+    # written before the first run trains: a comparison that stops part-way still says what it asked for
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "settings.json").write_text(json.dumps(settings, indent=1))
     results = []
     for name, base, seed in runs:
         if name in keep:
             banner(f"[{name}] kept: {a.out / name / 'result.json'}")
-            result = json.loads((a.out / name / "result.json").read_text())
+            result = keep[name]
             if a.redecode:
                 for key in ("averaged", "generate_last"):
                     result.pop(key, None)

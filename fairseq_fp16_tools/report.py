@@ -8,15 +8,20 @@ against fp32) and ``OUT/valid_loss_updates.png``, ``OUT/valid_loss_wall.png``,
 ``OUT/loss_scale.png``, ``OUT/throughput.png``. Prints the table. Runs scored by an
 average of checkpoints (``compare.py --average-last N``) get a second table: their
 last checkpoints, with their own paired bootstrap.
+
+A run that settings.json asks for and that has no result.json (compare.py stopped before it) is
+named at the top of the report and on stderr, and the report exits with status 1; the table
+holds the others.
 """
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from .plots import comparison_plots
-from .runs import base_mode, load_results
-from .stats import MARGIN, check_margin
+from .runs import base_mode, load_results, missing_line, missing_modes
+from .stats import MARGIN, check_margin, check_resamples
 from .summary import bootstrap_p, by_precision, memory_key, seed_spread, summary_record
 from .tables import equivalence_table, last_table, precision_table, runs_table, short_table
 
@@ -173,16 +178,19 @@ def equivalence_lines(margin: float) -> list:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the --out directory of scripts/compare.py")
-    ap.add_argument("--bootstrap", type=int, default=1000, help="paired bootstrap resamples")
+    ap.add_argument("--bootstrap", type=int, default=1000,
+                    help="resamples of sacrebleu's paired bootstrap (a positive number; default 1000)")
     ap.add_argument("--margin", type=float, default=MARGIN,
                     help=f"BLEU points within which a precision counts as fp32's equal in the seed-paired "
                     f"test (default {MARGIN})")
     a = ap.parse_args(argv)
     try:
         check_margin(a.margin)
+        check_resamples(a.bootstrap)
+        settings, results = load_results(a.out)
     except ValueError as e:
         ap.error(str(e))
-    settings, results = load_results(a.out)
+    missing = missing_modes(a.out, settings)
     pvals = bootstrap_p(a.out, results, a.bootstrap)
     mem_key = memory_key(results)
     tab = runs_table(results, pvals, mem_key)
@@ -195,7 +203,9 @@ def main(argv=None) -> None:
         "# fp32 vs mixed precision",
         "",
         f"Data: `{settings.get('data', '?')}`; seed {settings.get('seed', '?')}; "
-        f"started {settings.get('started', '?')}, finished {settings.get('finished', '?')}.",
+        f"started {settings.get('started', '?')}, "
+        + (f"finished {settings['finished']}." if settings.get("finished") else "**not finished**."),
+        *(["", f"**Missing:** {missing_line(a.out, missing)}. The tables hold the other runs."] if missing else []),
         *[x for line in where for x in ("", line)],
         "",
         tab,
@@ -254,3 +264,5 @@ def main(argv=None) -> None:
         print("\nlast checkpoints (not averaged):\n" + last_table(results, last_p))
     print(f"\nreport: {a.out / 'report.md'}")
     print("plots:  " + ", ".join(str(a.out / p) for p in pngs))
+    if missing:
+        sys.exit(f"report: {missing_line(a.out, missing)}")

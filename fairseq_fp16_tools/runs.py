@@ -2,7 +2,8 @@
 
 ``OUT/settings.json``: the flags shared by the runs (``data``, ``modes``, ``train_args``,
 ``gen_args``, ``gen_subset``, ``short_max_words``, ``average_last``, ``seed``, ``started``,
-``finished``).
+``finished``), written before the first run trains; ``finished`` is added once every run has
+its result.json. A requested mode without one is missing (:func:`missing_modes`).
 
 ``OUT/<mode>/result.json``, one per run:
 
@@ -12,9 +13,10 @@
 - what the run used, from ``SAVE_DIR/run_info.json`` (:func:`run_info_fields`):
   ``half_matmul``, ``native_half_products``, ``batch_lengths``, ``fused_loss``, ``attention``,
   ``compile_layers``;
-- ``train``: ``wall_s``, ``peak_rss_mb``, ``peak_cuda_mb``, ``updates``, ``updates_per_s``,
-  ``words_per_s``, ``skipped_updates``, ``final_loss_scale`` and fairseq's own records
-  (``train_inner``, ``valid`` with ``wall``, ``epochs``);
+- ``train``: ``wall_s``, ``peak_rss_mb``, ``peak_cuda_mb``, ``updates_per_s``, ``words_per_s``;
+  ``updates``, ``skipped_updates`` and ``final_loss_scale`` at the run's end (its last
+  checkpoint's, whatever the log interval); fairseq's own records (``train_inner``, ``valid``
+  with ``wall``, ``epochs``);
 - ``generate``: the scores of the decoded checkpoint (``bleu``, ``chrf``, ``bleu_bp``,
   ``sys_len``, ``ref_len``, the signatures, ``short`` on the short sources), ``wall_s``,
   ``subset``, ``n_sentences``, ``gen_args``, ``checkpoint``, ``hyps_file``, ``refs_file``;
@@ -114,14 +116,67 @@ def read_generate_output(path: Path):
     return [hyps[i] for i in ids], [refs[i] for i in ids], [srcs.get(i, "") for i in ids]
 
 
+def read_json(path: Path, remedy: str):
+    """The JSON of ``path``.
+
+    Raises:
+        ValueError: naming ``path`` and saying what to do (``remedy``) when it is not valid
+            JSON, e.g. cut short by a run that stopped while writing it.
+    """
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno}), "
+                         f"perhaps cut short as it was written; {remedy}") from None
+
+
+def rerun_hint(out: Path, modes) -> str:
+    """How to train ``modes`` of the comparison ``out`` again, keeping its other runs."""
+    folders = ", ".join(str(Path(out) / m) for m in modes)
+    return (f"rerun {'it' if len(modes) == 1 else 'them'}: delete {folders} and run scripts/compare.py "
+            f"again with the same flags, --out {out} and --keep-existing (it trains only the runs "
+            "without a result.json)")
+
+
+def missing_modes(out: Path, settings=None) -> list:
+    """The runs settings.json (``settings``, or read from ``out``) asks for that have no
+    ``<mode>/result.json`` (compare.py stopped before them, or is still running), in its order."""
+    if settings is None:
+        settings = read_json(Path(out) / "settings.json", f"run scripts/compare.py with --out {out}")
+    return [m for m in settings.get("modes", []) if not (Path(out) / m / "result.json").is_file()]
+
+
+def missing_line(out: Path, missing) -> str:
+    """The sentence of report.py and verdict.py on the requested runs that have no result."""
+    one = len(missing) == 1
+    return (f"{len(missing)} requested run{'' if one else 's'} without a result.json in {out}: "
+            f"{', '.join(missing)} (scripts/compare.py stopped before finishing {'it' if one else 'them'}, "
+            f"or is still running; {'its' if one else 'their'} train.out or generate.out says why); "
+            + rerun_hint(out, missing))
+
+
 def load_results(out: Path):
-    """(settings, results) of a comparison, the results in settings.json's order (fp32 first)."""
-    settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").exists() else {}
-    modes = settings.get("modes") or sorted(p.parent.name for p in out.glob("*/result.json"))
-    results = [json.loads((out / m / "result.json").read_text()) for m in modes
-               if (out / m / "result.json").exists()]
+    """(settings, results) of a comparison: settings.json and the runs it asks for that have a
+    result.json (:func:`missing_modes` lists the others), in its order (fp32 first).
+
+    Raises:
+        ValueError: naming the file when settings.json is missing or a file is not valid JSON,
+            or when the fp32 run has no result.json.
+    """
+    out = Path(out)
+    path = out / "settings.json"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: {out} is not the --out of scripts/compare.py, or one that "
+                         "stopped before it wrote its settings; the requested runs are unknown: run "
+                         f"scripts/compare.py with --out {out}")
+    settings = read_json(path, f"run scripts/compare.py with the comparison's flags and --out {out} to "
+                               "write it again")
+    results = [read_json(out / m / "result.json", rerun_hint(out, [m])) for m in settings.get("modes", [])
+               if (out / m / "result.json").is_file()]
     if not results or results[0]["mode"] != "fp32":
-        raise SystemExit(f"{out}: no fp32 result.json to compare against (run scripts/compare.py)")
+        missing = missing_modes(out, settings)
+        raise ValueError(f"{out}: no fp32 result.json to compare against"
+                         + (f": {missing_line(out, missing)}" if missing else " (run scripts/compare.py)"))
     return settings, results
 
 

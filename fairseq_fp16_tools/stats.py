@@ -21,6 +21,14 @@ def check_margin(margin: float) -> float:
     return margin
 
 
+def check_resamples(n_samples: int) -> int:
+    """``n_samples`` if it is a positive number of bootstrap resamples; else ValueError naming
+    ``--bootstrap`` (sacrebleu would quietly draw its default 1,000 for 0 or less)."""
+    if not (isinstance(n_samples, int) and n_samples >= 1):
+        raise ValueError(f"--bootstrap must be a positive number of resamples, got {n_samples}")
+    return n_samples
+
+
 def paired_bootstrap(refs: List[str], baseline: List[str], systems: Dict[str, List[str]],
                      n_samples: int) -> Dict[str, float]:
     """{name: p_value} of each of ``systems`` (name -> hypotheses) against ``baseline``, from
@@ -28,7 +36,11 @@ def paired_bootstrap(refs: List[str], baseline: List[str], systems: Dict[str, Li
 
     A system whose output is the baseline's gets p = 1.0 (sacrebleu would give identical
     systems 1/(n+1); there is no difference at all).
+
+    Raises:
+        ValueError: when ``n_samples`` is not a positive integer (:func:`check_resamples`).
     """
+    check_resamples(n_samples)
     from sacrebleu.metrics import BLEU
     from sacrebleu.significance import PairedTest
 

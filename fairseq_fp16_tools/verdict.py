@@ -17,14 +17,17 @@ memory as ratios to fp32 of the same seed, and the seed-paired equivalence
 test of ``stats.paired_equivalence`` (90% CI of the mean BLEU difference,
 TOST against ``--margin``); ``--json`` writes the same rows. It reads
 ``result.json`` files only (no hypotheses), so it also runs on the committed
-results under ``examples/translation/results/``.
+results under ``examples/translation/results/``. A run that an OUT's settings.json
+asks for and that has no result.json (compare.py stopped before it) is named on
+stderr after the table, and the exit status is 1.
 """
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from .runs import SETTING_DEFAULTS, base_mode, load_results
+from .runs import SETTING_DEFAULTS, base_mode, load_results, missing_line, missing_modes
 from .stats import MARGIN, check_margin, paired_equivalence, permutation_p
 from .tables import verdict_table
 
@@ -38,7 +41,8 @@ def pool(outs):
     Raises:
         ValueError: naming the OUT and the setting when two OUTs differ in a :data:`SHARED`
             setting, the runs when two ran on different machines or versions, or the OUTs
-            when both hold the same precision and seed.
+            when both hold the same precision and seed; naming the file when one is missing or
+            not valid JSON (:func:`runs.load_results`).
     """
     runs, first, where, machines = {}, None, {}, []
     for out in outs:
@@ -120,3 +124,6 @@ def main(argv=None) -> None:
     if a.json:
         a.json.write_text(json.dumps({"outs": [str(o) for o in a.outs], "margin": a.margin, "precisions": rows},
                                      indent=1))
+    missing = [missing_line(out, m) for out in a.outs if (m := missing_modes(out))]
+    if missing:
+        sys.exit("verdict: the table leaves out " + "; ".join(missing))

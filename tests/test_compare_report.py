@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,9 +15,11 @@ from sacrebleu.metrics import BLEU
 
 from fairseq_fp16.core.half_matmul import cpu_has_amx, cpu_has_native_half
 
-from conftest import ROOT, TINY_MODEL
+from conftest import ROOT, TINY_MODEL, TRAIN, parse_json_records, train
 
 pytestmark = pytest.mark.slow
+#: the flags of conftest's TRAIN that compare.py sets itself, with their values
+FORBIDDEN_HERE = ("--task", "--optimizer", "--seed", "--log-format")
 
 
 @pytest.fixture(scope="module")
@@ -556,3 +559,141 @@ def test_average_last_needs_the_interval_checkpoints(toy_data, tmp_path):
     assert flag_value(["--a", "1", "--keep-interval-updates=3", "--keep-interval-updates", "4"],
                       "--keep-interval-updates") == "4"
     assert flag_value(["--keep-interval-updates-x", "3"], "--keep-interval-updates") is None
+
+
+def test_compare_refuses_modes_that_cannot_run_here_before_training(toy_data, tmp_path):
+    # stock fairseq's --fp16 needs CUDA: refused before fp32 trains, not after it
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out, "--modes", "fp32,fp16-stock,fp16",
+           "--train-args", " ".join(TINY_MODEL) + " --max-update 1 --cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+        "compare.py: error: --modes: fp16-stock cannot run here: stock fairseq's --fp16 trains on CUDA only, and "
+        "--train-args has --cpu; leave it out of --modes")
+    assert "training" not in proc.stdout and not out.exists()
+    if not torch.cuda.is_available():
+        cmd[cmd.index("--train-args") + 1] = cmd[cmd.index("--train-args") + 1].replace(" --cpu", "")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+            "compare.py: error: --modes: fp16-stock cannot run here: stock fairseq's --fp16 needs CUDA, and torch "
+            "sees no CUDA device here (the plugin's fp16 mode trains on the CPU); leave it out of --modes")
+        assert not out.exists()
+
+
+def test_compare_writes_its_settings_before_the_first_run_trains(toy_data, tmp_path):
+    out = tmp_path / "cmp"
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out, "--modes", "fp16",
+                           "--train-args", "--arch no_such_arch --max-update 1"], capture_output=True, text=True)
+    assert proc.returncode == 1 and f"fairseq-train failed with exit code 2; see {out / 'fp32' / 'train.out'}" in proc.stderr
+    settings = json.loads((out / "settings.json").read_text())
+    assert (settings["data"], settings["modes"], settings["train_args"]) == (
+        str(toy_data), ["fp32", "fp16"], "--arch no_such_arch --max-update 1")
+    assert "started" in settings and "finished" not in settings
+    rep = subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out], capture_output=True, text=True)
+    assert rep.returncode == 2 and (f"report.py: error: {out}: no fp32 result.json to compare against: 2 requested "
+                                    f"runs without a result.json in {out}: fp32, fp16 (") in rep.stderr
+
+
+def test_report_names_the_requested_runs_without_a_result_and_fails(compared, tmp_path):
+    out = tmp_path / "cmp"
+    shutil.copytree(compared[0], out)
+    shutil.rmtree(out / "fp16")  # compare.py stopped after fp32, before fp16 had a result
+    settings = json.loads((out / "settings.json").read_text())
+    del settings["finished"]
+    (out / "settings.json").write_text(json.dumps(settings))
+    rep = subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "50"],
+                         capture_output=True, text=True)
+    missing = (f"1 requested run without a result.json in {out}: fp16 (scripts/compare.py stopped before finishing "
+               "it, or is still running; its train.out or generate.out says why); rerun it: delete "
+               f"{out}/fp16 and run scripts/compare.py again with the same flags, --out {out} and --keep-existing "
+               "(it trains only the runs without a result.json)")
+    assert rep.returncode == 1 and rep.stderr == f"report: {missing}\n"
+    md = (out / "report.md").read_text()
+    lines = md.splitlines()
+    assert lines[2] == f"Data: `{settings['data']}`; seed 1; started {settings['started']}, **not finished**."
+    assert lines[4] == f"**Missing:** {missing}. The tables hold the other runs."
+    rows = [l.split(" | ")[0] for l in lines if l.startswith("| fp")]
+    assert rows == ["| fp32", "| fp32-seed2", "| fp32"] + ["| fp32", "| fp32-seed2"]  # runs, precisions, short
+    assert "fp16" not in json.loads((out / "summary.json").read_text())["runs"]
+
+
+def test_report_refuses_a_bootstrap_of_no_resamples(compared):
+    from fairseq_fp16_tools.stats import paired_bootstrap
+
+    out, _ = compared
+    rep = subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "0"],
+                         capture_output=True, text=True)
+    assert rep.returncode == 2
+    assert rep.stderr.splitlines()[-1] == "report.py: error: --bootstrap must be a positive number of resamples, got 0"
+    # sacrebleu draws its default 1,000 resamples when asked for 0: never behind a label that says 0
+    with pytest.raises(ValueError, match=r"^--bootstrap must be a positive number of resamples, got 0$"):
+        paired_bootstrap(["a b c"], ["a b c"], {"fp16": ["a b d"]}, 0)
+
+
+def test_report_names_a_json_file_cut_short(compared, tmp_path):
+    out = tmp_path / "cmp"
+    shutil.copytree(compared[0], out)
+    path = out / "fp16" / "result.json"
+    path.write_text(path.read_text()[:1000])  # a run stopped while writing it
+    rep = subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out], capture_output=True, text=True)
+    assert rep.returncode == 2 and "Traceback" not in rep.stderr
+    assert rep.stderr.splitlines()[-1].startswith(f"report.py: error: {path} is not valid JSON (")
+    assert rep.stderr.splitlines()[-1].endswith(
+        f"perhaps cut short as it was written; rerun it: delete {out}/fp16 and run scripts/compare.py again with "
+        f"the same flags, --out {out} and --keep-existing (it trains only the runs without a result.json)")
+    # compare.py --keep-existing reads the runs it keeps before it trains any
+    settings = json.loads((out / "settings.json").read_text())
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", settings["data"], "--out", out,
+                           "--modes", "fp16,fp32@seed2", "--train-args", settings["train_args"], "--gen-args",
+                           settings["gen_args"], "--short-max-words", "7", "--keep-existing"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "kept" not in proc.stdout
+    assert proc.stderr.splitlines()[-1].startswith(f"compare.py: error: --keep-existing: {path} is not valid JSON (")
+
+
+def test_export_refuses_its_own_output_as_already_exported(compared, tmp_path):
+    from fairseq_fp16_tools.checkpoints import export_main as main
+
+    out, _ = compared
+    exported = tmp_path / "fp32.pt"
+    main([str(out / "fp16" / "checkpoints" / "checkpoint_last.pt"), str(exported)])
+    with pytest.raises(SystemExit, match=(
+            rf"^export_fp32_checkpoint: {exported} is already exported \(scripts/export_fp32_checkpoint\.py's "
+            r"output\): its model weights are the fp32 masters themselves \('[\w.]+' is not rounded to fp16\), so "
+            r"it is an fp32 checkpoint with no masters left to export$")):
+        main([str(exported), str(tmp_path / "again.pt")])
+    assert not (tmp_path / "again.pt").exists()
+
+
+def test_result_json_takes_updates_skips_and_scale_from_the_runs_end(toy_data, tmp_path):
+    # --log-interval 5 with --max-update 12: the last train_inner record is of update 10. A scale
+    # that grows after every clean update overflows now and then, so skips and scale move after it.
+    flags = ["--max-update", "12", "--fp16-init-scale", "4096", "--fp16-scale-window", "1"]
+    # conftest's training flags less those compare.py sets: the same training as train()'s
+    shared = [a for i, a in enumerate(TRAIN) if a not in FORBIDDEN_HERE and TRAIN[i - 1] not in FORBIDDEN_HERE]
+    out = tmp_path / "cmp"
+    subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out, "--modes", "fp16",
+                    "--train-args", shlex.join([*TINY_MODEL, *shared, *flags, "--log-interval", "5"]),
+                    "--gen-args", "--beam 1 --max-len-b 5 --cpu"], check=True, capture_output=True, text=True)
+    _, every = train(toy_data, tmp_path / "every", "--fp16", *flags)  # --log-interval 1: each update's record
+    r16, r32 = (json.loads((out / m / "result.json").read_text())["train"] for m in ("fp16", "fp32"))
+    assert [r["num_updates"] for r in r16["train_inner"]] == [5, 10] and every[-1]["num_updates"] == 12
+    end = {"updates": 12, "skipped_updates": every[-1]["skipped"], "final_loss_scale": every[-1]["loss_scale"]}
+    assert {k: r16[k] for k in end} == end
+    assert (r16["train_inner"][-1]["skipped"], r16["train_inner"][-1]["loss_scale"]) != (
+        end["skipped_updates"], end["final_loss_scale"])  # the last logged interval is two updates old
+    assert (r32["updates"], r32["skipped_updates"], r32["final_loss_scale"]) == (12, 0, None)
+    # read from the last checkpoint; saved without its optimizer state, from fairseq's record of the last epoch
+    from fairseq_fp16_tools.compare import train_end
+
+    log_text = (out / "fp16" / "train.out").read_text()
+    state = torch.load(out / "fp16" / "checkpoints" / "checkpoint_last.pt", weights_only=False)
+    del state["last_optimizer_state"]
+    torch.save(state, tmp_path / "bare.pt")
+    assert train_end(tmp_path / "bare.pt", parse_json_records(log_text), log_text) == end
+    # stock fairseq --fp16 saves its scale and no count of skips; it logs each skip
+    state["last_optimizer_state"] = {"loss_scale": 64.0, "state": {}, "param_groups": []}
+    torch.save(state, tmp_path / "stock.pt")
+    stock_log = "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 64.0\n" * 3
+    assert train_end(tmp_path / "stock.pt", {"train": [{"num_updates": 12, "loss_scale": 64}]}, stock_log) == {
+        "updates": 12, "skipped_updates": 3, "final_loss_scale": 64.0}

@@ -168,3 +168,36 @@ def _leaves(tree, path=""):
     if isinstance(tree, list):
         return {k: v for i, sub in enumerate(tree) for k, v in _leaves(sub, f"{path}/{i}").items()}
     return {} if isinstance(tree, str) else {path: tree}
+
+
+def test_verdict_cli_names_the_requested_runs_without_a_result(tmp_path):
+    # compare.py stopped after fp32 (fp16-stock failed): settings.json asks for three runs, one is there
+    a = _comparison(tmp_path / "a", 1, {"fp32": (1, 10.0, 2.0, 800), "bf16": (1, 10.3, 4.0, 760)})
+    b = _comparison(tmp_path / "b", 2, {"fp32": (2, 11.0, 2.0, 800), "fp16-stock": (2, 0, 0, 0),
+                                        "fp16": (2, 0, 0, 0)})
+    for mode in ("fp16-stock", "fp16"):
+        (b / mode / "result.json").unlink()
+    cli = subprocess.run([sys.executable, ROOT / "scripts" / "verdict.py", a, b], capture_output=True, text=True)
+    assert cli.returncode == 1
+    assert cli.stderr == (
+        f"verdict: the table leaves out 2 requested runs without a result.json in {b}: fp16-stock, fp16 "
+        "(scripts/compare.py stopped before finishing them, or is still running; their train.out or generate.out "
+        f"says why); rerun them: delete {b}/fp16-stock, {b}/fp16 and run scripts/compare.py again with the same "
+        f"flags, --out {b} and --keep-existing (it trains only the runs without a result.json)\n")
+    assert "| bf16 | 1 (seeds 1) |" in cli.stdout and "fp16" not in cli.stdout
+    # without its fp32 run a comparison has nothing to pair with
+    (b / "fp32" / "result.json").unlink()
+    cli = subprocess.run([sys.executable, ROOT / "scripts" / "verdict.py", a, b], capture_output=True, text=True)
+    assert cli.returncode == 2 and (f"{b}: no fp32 result.json to compare against: 3 requested runs without a "
+                                    f"result.json in {b}: fp32, fp16-stock, fp16 (") in cli.stderr
+
+
+def test_verdict_cli_names_a_result_json_cut_short(tmp_path):
+    a = _comparison(tmp_path / "a", 1, {"fp32": (1, 10.0, 2.0, 800), "bf16": (1, 10.3, 4.0, 760)})
+    path = a / "bf16" / "result.json"
+    path.write_text(path.read_text()[:30])
+    cli = subprocess.run([sys.executable, ROOT / "scripts" / "verdict.py", a], capture_output=True, text=True)
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr
+    assert (f"verdict.py: error: {path} is not valid JSON (Expecting value: line 1 column 31), perhaps cut "
+            f"short as it was written; rerun it: delete {a}/bf16 and run scripts/compare.py again with the same "
+            f"flags, --out {a} and --keep-existing") in cli.stderr
