@@ -1,6 +1,7 @@
 """Diagnostics: overflow attribution, underflow/headroom and lost-update statistics, traces."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -146,6 +147,101 @@ def test_diagnostics_off_cost_no_extra_host_sync(tmp_path):
     assert set(json.loads((tmp_path / "s.jsonl").read_text())["layers"]) == {"a"}
 
 
+def run_updates(opt, params, overflows=()):
+    """One update per entry of ``overflows``-or-not: gradients 0.01, or inf where the update
+    should overflow (OverflowError, as fairseq's trainer sees it)."""
+    for overflow in overflows:
+        opt.zero_grad()
+        for p in params:
+            p.grad = torch.full_like(p, float("inf") if overflow else 0.01)
+        if overflow:
+            with pytest.raises(OverflowError):
+                opt.clip_grad_norm(0.0)
+            continue
+        opt.clip_grad_norm(0.0)
+        opt.step()
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_fresh_run_starts_the_trace_over_and_a_resume_drops_what_came_after_its_checkpoint(
+        tmp_path, caplog):
+    """A fresh run replaces an earlier run's trace; a run resumed from an update-2 checkpoint
+    keeps updates 1-2 and drops the 3-4 that the run it resumes went on to write."""
+    caplog.set_level(logging.INFO, logger="fairseq_fp16.optim.traces")
+    trace = tmp_path / "t.jsonl"
+    params = list(named_half(**{"a.weight": (4, 4)}).values())
+    cfg = fairseq_cfg(scale_trace=str(trace))
+    run_updates(MixedPrecisionFairseqOptimizer(cfg, params, "fp16"), params, [False] * 5)
+    fresh = MixedPrecisionFairseqOptimizer(cfg, params, "fp16")
+    run_updates(fresh, params, [False, True])
+    at_two = fresh.state_dict()  # 2 attempted, 1 applied
+    run_updates(fresh, params, [False, False])
+    assert [(r["update"], r["num_updates"]) for r in read_jsonl(trace)] == [(1, 1), (2, 1), (3, 2), (4, 3)]
+    assert f"--scale-trace {trace}: a new run; the 5 records of an earlier run in the file are replaced" \
+        in caplog.text
+    resumed = MixedPrecisionFairseqOptimizer(cfg, params, "fp16")
+    resumed.load_state_dict(at_two)
+    run_updates(resumed, params, [False])
+    lines = read_jsonl(trace)
+    assert [(r["update"], r["num_updates"], r["skipped"]) for r in lines] == \
+        [(1, 1, False), (2, 1, True), (3, 2, False)]
+    assert f"--scale-trace {trace}: resumed at update 3; 2 records from update 3 on" in caplog.text
+
+
+def test_precision_stats_interval_counts_applied_updates(tmp_path, caplog):
+    """--precision-stats-interval 2 with updates 2 and 5 skipped: statistics after applied
+    updates 2 and 4 (attempts 3 and 6), each record with both counts."""
+    caplog.set_level(logging.INFO, logger="fairseq_fp16.optim.traces")
+    stats = tmp_path / "s.jsonl"
+    params = list(named_half(**{"a.weight": (4, 4)}).values())
+    opt = MixedPrecisionFairseqOptimizer(
+        fairseq_cfg(precision_stats_interval=2, precision_stats=str(stats)), params, "fp16")
+    run_updates(opt, params, [False, True, False, False, True, False])
+    assert [(r["update"], r["num_updates"]) for r in read_jsonl(stats)] == [(3, 2), (6, 4)]
+    assert [m.split(":")[0] for m in caplog.messages if m.startswith("precision stats @")] == \
+        ["precision stats @ num_updates 2", "precision stats @ num_updates 4"]
+
+
+@pytest.mark.slow
+def test_trace_of_a_restored_checkpoint_continues_from_it(toy_data, tmp_path):
+    """fairseq-train: 6 updates, then --restore-file of the update-3 checkpoint up to update 4,
+    then a fresh run of 2 updates, all with one --scale-trace file."""
+    trace = tmp_path / "t.jsonl"
+    flags = ["--fp16", "--scale-trace", trace]
+    train(toy_data, tmp_path / "a", *flags, "--max-update", "6", "--save-interval-updates", "3")
+    first = read_jsonl(trace)
+    assert [r["update"] for r in first] == list(range(1, len(first) + 1)) and first[-1]["num_updates"] == 6
+    at_three = next(r["update"] for r in first if r["num_updates"] == 3 and not r["skipped"])
+    _, recs = train(toy_data, tmp_path / "b", *flags, "--max-update", "4", "--no-save",
+                    "--restore-file", tmp_path / "a" / "checkpoint_1_3.pt")
+    assert [r["num_updates"] for r in recs] == [4]
+    lines = read_jsonl(trace)
+    assert lines[:at_three] == first[:at_three]
+    assert [r["update"] for r in lines] == list(range(1, len(lines) + 1)) and lines[-1]["num_updates"] == 4
+    train(toy_data, tmp_path / "c", *flags, "--max-update", "2", "--no-save")
+    lines = read_jsonl(trace)
+    assert [r["update"] for r in lines] == list(range(1, len(lines) + 1)) and lines[-1]["num_updates"] == 2
+
+
+@pytest.mark.slow
+def test_two_processes_write_each_record_once(toy_data, tmp_path):
+    """Under --distributed-world-size 2 the ranks hold the same all-reduced gradients: rank 0
+    alone writes the trace and the statistics, one record per update."""
+    from test_distributed import BASE, BIN, fault_args, run
+
+    trace, stats = tmp_path / "t.jsonl", tmp_path / "s.jsonl"
+    _, recs = run([BIN / "fairseq-train", *fault_args(
+        toy_data, tmp_path, *BASE, "--distributed-world-size", "2", "--max-update", "4", "--no-save",
+        "--scale-trace", trace, "--precision-stats-interval", "2", "--precision-stats", stats)])
+    lines = read_jsonl(trace)
+    skipped = int(recs[-1]["skipped"])
+    assert [(r["rank"], r["update"]) for r in lines] == [(0, u) for u in range(1, 5 + skipped)]
+    assert [r["num_updates"] for r in read_jsonl(stats)] == [2, 4]
+
+
 @pytest.mark.slow
 def test_trace_has_one_line_per_update_and_plots(toy_data, tmp_path):
     trace, stats = tmp_path / "trace.jsonl", tmp_path / "stats.jsonl"
@@ -162,9 +258,11 @@ def test_trace_has_one_line_per_update_and_plots(toy_data, tmp_path):
     assert all(l["grad_norm"] > 0 for l in lines if not l["overflow"])
     assert lines[-1]["num_updates"] == 20
     text = proc.stdout + proc.stderr
-    assert "gradient overflow in: " in text and "precision stats @ update" in text
+    assert "gradient overflow in: " in text and "precision stats @ num_updates 5: " in text
     st = [json.loads(l) for l in stats.read_text().splitlines()]
-    assert st and all(r["update"] % 5 == 0 for r in st)
+    assert [r["num_updates"] for r in st] == [5, 10, 15, 20]
+    by_update = {l["update"]: l for l in lines}  # the trace's counts at each measured update
+    assert all(by_update[r["update"]]["num_updates"] == r["num_updates"] for r in st)
     assert all({"zero_frac", "subnormal_frac", "headroom_log2", "lost_update_frac"} <= set(v)
                for r in st for v in r["layers"].values())
     import subprocess

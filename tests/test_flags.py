@@ -25,6 +25,14 @@ CASES = [
     (["--fp16", "--precision-divergence-interval", "-2"],
      r"--precision-divergence-interval must be >= 0 \(0 = off\), got -2"),
     (["--fp16", "--precision-stats-interval", "-1"], r"--precision-stats-interval must be >= 0 \(0 = off\), got -1"),
+    (["--fp16", "--fp16-init-scale", "0"],
+     r"--fp16-init-scale must be an integer >= 1 \(the dynamic loss scale's first value; fairseq's default "
+     r"128\), got 0"),
+    (["--fp16", "--fp16-scale-window", "0"],
+     r"--fp16-scale-window must be an integer >= 1 \(clean updates before the dynamic loss scale grows; "
+     r"unset: 2\*\*14 / \(world size x update-freq\)\), got 0"),
+    (["--fp16", "--scale-trace", "."], r"--scale-trace must name a file \(it is written as JSON lines\), "
+     r"got the directory '\.'"),
     (["--fp16", "--half-matmul", "fast"],
      r"argument --half-matmul: invalid choice: 'fast' \(choose from '?auto'?, '?native'?, '?fp32-accumulate'?\)"),
     (["--fp16", "--attention-path", "flash"],
@@ -39,6 +47,30 @@ def test_bad_flag_is_refused_with_its_name(toy_data, tmp_path, flags, message):
     proc, _ = train(toy_data, tmp_path, *flags, "--max-update", "1", check=False)
     assert proc.returncode != 0
     assert re.search(message, proc.stderr), proc.stderr[-1500:]
+
+
+def test_fp32_run_warns_that_the_half_precision_diagnostics_do_nothing(toy_data, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    proc, recs = train(toy_data, tmp_path, "--scale-trace", trace, "--precision-stats-interval", "1",
+                       "--max-update", "1", "--no-save")
+    text = proc.stdout + proc.stderr
+    assert text.count("--scale-trace: an fp32 run has no loss scale and skips no update; nothing is "
+                      "written (it traces --fp16/--bf16 runs)") == 1
+    assert text.count("--precision-stats-interval: an fp32 run has no half gradients and no fp32 master "
+                      "weights; nothing is measured (it measures --fp16/--bf16 runs)") == 1
+    assert len(recs) == 1 and not trace.exists()
+
+
+def test_a_diagnostics_file_without_its_interval_warns(toy_data, tmp_path):
+    stats, div = tmp_path / "s.jsonl", tmp_path / "d.jsonl"
+    proc, recs = train(toy_data, tmp_path, "--fp16", "--precision-stats", stats, "--precision-divergence", div,
+                       "--max-update", "1", "--no-save")
+    text = proc.stdout + proc.stderr
+    assert text.count(f"--precision-stats {stats}: nothing is written without --precision-stats-interval N "
+                      "(N >= 1: every N updates)") == 1
+    assert text.count(f"--precision-divergence {div}: nothing is written without "
+                      "--precision-divergence-interval N (N >= 1: every N updates)") == 1
+    assert len(recs) == 1 and not stats.exists() and not div.exists()
 
 
 def test_fp32_modules_matching_nothing_warns(toy_data, tmp_path):

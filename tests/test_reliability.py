@@ -6,6 +6,7 @@ that loads fairseq_fp16 and adds a criterion that poisons chosen updates).
 
 import copy
 import json
+import logging
 import os
 import random
 import re
@@ -136,6 +137,49 @@ def test_only_overflows_a_smaller_scale_cannot_fix_are_counted(loss_scale, count
             opt.clip_grad_norm(0.0)
         seen.append(opt.consecutive_overflows)
     assert seen == counted
+
+
+def test_a_static_scale_too_high_is_named_as_the_cause():
+    """--loss-scale 1048576 under fp16: finite losses, every gradient overflows; the stop says
+    the static scale is the cause and how to lower it."""
+    model = _tiny_model()
+    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=2, loss_scale="1048576"),
+                                         list(model.parameters()), "fp16")
+    opt.zero_grad()
+    opt.backward(_loss(model))
+    with pytest.raises(OverflowError, match="setting loss scale to: 1048576$"):
+        opt.clip_grad_norm(0.0)
+    opt.zero_grad()
+    opt.backward(_loss(model))
+    with pytest.raises(FloatingPointError, match=(
+            r"2 consecutive updates skipped .* \(--max-consecutive-overflows 2; loss scale now 1\.04858e\+06\): "
+            r"the forward pass and loss are finite, but the gradients overflow fp16 at the static loss scale "
+            r"1048576, which is too high for them \(in: [0-9.a-z, ]+\); lower --loss-scale, or use "
+            r"--loss-scale 0 \(dynamic: the scale backs off until the gradients fit\)$")):
+        opt.clip_grad_norm(0.0)
+
+
+def test_a_norm_that_overflows_with_finite_gradients_is_named_as_the_cause(caplog):
+    """bf16 gradients of 1e38 are finite, the sum of their squares is not: no parameter is to
+    blame, and the message says so instead of naming none."""
+    caplog.set_level(logging.INFO, logger="fairseq_fp16.optim.mixed_precision")
+    model = _tiny_model().bfloat16()
+    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=2), list(model.parameters()),
+                                         "bf16")
+    for attempt in (1, 2):
+        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e38)
+        if attempt == 1:
+            with pytest.raises(OverflowError):
+                opt.clip_grad_norm(0.0)
+    with pytest.raises(FloatingPointError, match=(
+            r"\(--max-consecutive-overflows 2; loss scale now 1\): the gradient norm overflowed although "
+            r"every gradient is finite \(the sum of their squares exceeds the fp32 range\): the gradients "
+            r"have grown enormous; lower --lr, and clip with --clip-norm so that the updates stay bounded$")):
+        opt.clip_grad_norm(0.0)
+    assert caplog.messages.count("gradient norm overflow: every gradient is finite, the sum of their "
+                                 "squares is not") == 2
 
 
 @pytest.mark.slow

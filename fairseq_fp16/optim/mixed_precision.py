@@ -14,15 +14,15 @@ update) and ``FloatingPointError`` when the run cannot heal (the trainer
 stops): the scale reached ``--min-loss-scale``, or ``--max-consecutive-overflows``
 updates in a row were skipped. The second message names the first module whose
 forward output was not finite (:class:`~fairseq_fp16.core.diagnostics.NonFiniteWatch`,
-armed only after an overflow) or, when the forward pass was finite, the
-parameters whose gradients overflowed.
+armed only after an overflow) or, when the forward pass was finite, the cause
+that applies: a non-finite loss, a static ``--loss-scale`` too high for fp16, a
+gradient norm that overflowed although every gradient is finite, or the
+parameters whose gradients overflowed. The opt-in traces are :mod:`.traces`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 from typing import Any, Dict, Optional
 
@@ -31,16 +31,12 @@ from fairseq import optim
 from fairseq.logging import metrics
 from fairseq.optim import FairseqOptimizer
 
-from ..core.diagnostics import (
-    LostUpdateMonitor,
-    NonFiniteWatch,
-    attribute_overflow,
-    gradient_precision_stats,
-)
+from ..core.diagnostics import NonFiniteWatch, attribute_overflow
 from ..core.loss_scaler import LossScaler
 from ..core.master_weights import MixedPrecisionOptimizer
 from ..core.param_names import param_name
 from .stock_state import check_same_optimizer, describe_state, import_stock_state, stock_loss_scale
+from .traces import Diagnostics
 from ..precision import NAMES, Precision
 
 logger = logging.getLogger(__name__)
@@ -311,7 +307,7 @@ class _MasterWeights:
         self.core = MixedPrecisionOptimizer(params, build, self.loss_scaler)
         self.inner = built["inner"]
         owner.scaler = _ScaleView(self.loss_scaler)
-        self.diagnostics = Diagnostics.from_cfg(cfg, precision.name)
+        self.diagnostics = Diagnostics.from_cfg(cfg, precision.dtype)
         logger.info(
             "fairseq_fp16: %s model, fp32 master weights, %s, %s step",
             precision.name,
@@ -349,14 +345,18 @@ class _MasterWeights:
         overflow = not bool(torch.isfinite(grad_norm))
         diag = self.diagnostics
         if diag is not None:
-            diag.attempt += 1
+            diag.begin_update()
         if overflow:
             owner.overflow_pending = True
             owner.num_skipped += 1
             # Only on this (already synced) overflow step: name the culprits.
             culprits = attribute_overflow(self.core.model_params)
-            logger.info("gradient overflow in: %s", ", ".join(
-                f"{c['param']} ({c['nonfinite']} of {c['numel']} non-finite)" for c in culprits) or "?")
+            if culprits:
+                logger.info("gradient overflow in: %s", ", ".join(
+                    f"{c['param']} ({c['nonfinite']} of {c['numel']} non-finite)" for c in culprits))
+            else:
+                logger.info("gradient norm overflow: every gradient is finite, the sum of their "
+                            "squares is not")
             self.core.skip_step()
             self._log_counters()
             if diag is not None:
@@ -374,9 +374,7 @@ class _MasterWeights:
             self.watch.disarm()
         self._log_counters()
         if diag is not None:
-            diag.pending_norm = grad_norm
-            if diag.stats_due():
-                diag.measure_gradients(owner)
+            diag.note_finite(owner, grad_norm)
         return grad_norm
 
     def _count_overflow(self, culprits) -> None:
@@ -413,8 +411,18 @@ class _MasterWeights:
         elif not loss_finite:
             cause = ("the forward pass is finite up to the model's output but the loss is not: "
                      "check the criterion and the batch (empty or corrupt targets)")
+        elif not culprits:
+            cause = ("the gradient norm overflowed although every gradient is finite (the sum of "
+                     "their squares exceeds the fp32 range): the gradients have grown enormous; "
+                     "lower --lr, and clip with --clip-norm so that the updates stay bounded")
+        elif self.precision.name == "fp16":  # a static scale (a dynamic one is not counted here)
+            names = ", ".join(c["param"] for c in culprits)
+            cause = (f"the forward pass and loss are finite, but the gradients overflow fp16 at the "
+                     f"static loss scale {self.loss_scaler.loss_scale:.12g}, which is too high for "
+                     f"them (in: {names}); lower --loss-scale, or use --loss-scale 0 (dynamic: the "
+                     "scale backs off until the gradients fit)")
         else:
-            names = ", ".join(c["param"] for c in culprits) or "?"
+            names = ", ".join(c["param"] for c in culprits)
             cause = (f"the forward pass and loss are finite; gradients overflow in: {names}; "
                      "lower --lr, clip with --clip-norm, or keep those modules in fp32 "
                      "(--fp32-modules)")
@@ -490,82 +498,6 @@ class _MasterWeights:
                 group.update(optimizer_overrides)
 
 
-class Diagnostics:
-    """Opt-in traces of a mixed-precision run (``--scale-trace``, ``--precision-stats-interval``).
-
-    Off, it costs nothing: the wrapper does not build it. On, each update reads
-    the scale and gradient norm (host syncs the trace needs), and every
-    ``interval`` updates the gradient and lost-update statistics are taken.
-    """
-
-    def __init__(self, dtype, trace_file: Optional[str], interval: int, stats_file: Optional[str]):
-        self.dtype = dtype
-        self.trace_file = trace_file
-        self.interval = interval
-        self.stats_file = stats_file
-        self.lost = LostUpdateMonitor(dtype)
-        self.attempt = 0  # updates attempted, skipped ones included
-        self.pending_norm = None
-        self.pending_stats = None
-        for path in (trace_file, stats_file):
-            if path:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-    @classmethod
-    def from_cfg(cls, cfg, precision: str) -> Optional["Diagnostics"]:
-        task = _section(cfg, "task")
-        trace = getattr(task, "scale_trace", None)
-        interval = int(getattr(task, "precision_stats_interval", 0) or 0)  # validated by the task
-        if not trace and not interval:
-            return None
-        stats_file = getattr(task, "precision_stats", None) or os.path.join(
-            cfg.checkpoint.save_dir, "precision_stats.jsonl")
-        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-        return cls(dtype, trace, interval, stats_file if interval else None)
-
-    def stats_due(self) -> bool:
-        return bool(self.interval) and self.attempt % self.interval == 0
-
-    def measure_gradients(self, opt) -> None:
-        self.pending_stats = gradient_precision_stats(opt.core.model_params, self.dtype)
-
-    @staticmethod
-    def _write(path: str, record: Dict[str, Any]) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def trace(self, opt, grad_norm, overflow: bool, culprits=None) -> None:
-        if not self.trace_file:
-            return
-        record = {
-            "rank": _rank(),
-            "update": self.attempt,
-            "num_updates": self.attempt - opt.num_skipped,
-            "loss_scale": opt.loss_scaler.loss_scale,
-            "overflow": overflow,
-            "skipped": overflow,
-            "grad_norm": float(grad_norm) if not overflow else None,
-        }
-        if overflow:
-            record["overflow_params"] = culprits or []
-        self._write(self.trace_file, record)
-
-    def after_step(self, opt) -> None:
-        if self.pending_stats is not None:
-            lost = self.lost.after_step()
-            stats = self.pending_stats
-            self.pending_stats = None
-            for layer, frac in lost.items():
-                stats.setdefault(layer, {})["lost_update_frac"] = frac
-            record = {"update": self.attempt, "loss_scale": opt.loss_scaler.loss_scale,
-                      "dtype": str(self.dtype).replace("torch.", ""), "layers": stats}
-            self._write(self.stats_file, record)
-            logger.info("precision stats @ update %d: %s", self.attempt, summarize(stats))
-        if self.pending_norm is not None:
-            self.trace(opt, self.pending_norm, overflow=False)
-            self.pending_norm = None
-
-
 def _distributed() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -590,20 +522,3 @@ def _first_on_any_rank(first):
     seen = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(seen, first)
     return next((f for f in seen if f is not None), None)
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def summarize(stats: Dict[str, Dict]) -> str:
-    """One log line: element-weighted zero/subnormal fractions, least headroom, lost updates."""
-    total = sum(v.get("numel", 0) for v in stats.values()) or 1
-    zero = sum(v.get("zero_frac", 0) * v.get("numel", 0) for v in stats.values()) / total
-    sub = sum(v.get("subnormal_frac", 0) * v.get("numel", 0) for v in stats.values()) / total
-    lost = sum(v.get("lost_update_frac", 0) * v.get("numel", 0) for v in stats.values()) / total
-    tight = min(stats.items(), key=lambda kv: kv[1].get("headroom_log2", float("inf")))
-    return (f"zero {zero:.2%}, subnormal {sub:.2%} of gradient elements; least headroom "
-            f"{tight[1].get('headroom_log2', float('nan')):.1f} bits ({tight[0]}); "
-            f"updates lost without fp32 masters {lost:.2%}")

@@ -23,6 +23,7 @@ translation data:
 
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from functools import wraps
@@ -169,6 +170,8 @@ class TranslationFP16Config(TranslationConfig):
     )
     fp16: bool = II("common.fp16")
     bf16: bool = II("common.bf16")
+    fp16_init_scale: int = II("common.fp16_init_scale")  # fairseq's flags, validated here
+    fp16_scale_window: Optional[int] = II("common.fp16_scale_window")
     cpu: bool = II("common.cpu")
     save_dir: str = II("checkpoint.save_dir")
 
@@ -199,10 +202,8 @@ def validate_precision_flags(cfg) -> None:
             raise ValueError(
                 f"--fp32-modules is not a valid regular expression: {cfg.fp32_modules!r} ({e})"
             ) from None
-    for flag in ("precision_stats_interval", "precision_divergence_interval"):
-        value = getattr(cfg, flag, 0)
-        if value is not None and int(value) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (0 = off), got {value!r}")
+    _validate_loss_scale_flags(cfg)
+    _validate_diagnostics_flags(cfg)
     resolve_length_multiple(cfg.cpu_length_multiple, None, native=False)
     resolve_attention_path(str(getattr(cfg, "attention_path", "auto")), False, False)
     resolve_kernel_cache(cfg.cpu_kernel_cache, 1)
@@ -211,6 +212,67 @@ def validate_precision_flags(cfg) -> None:
             "--loss-scale %s with --bf16: bf16 has fp32's exponent range and needs no "
             "loss scaling; the scale is applied anyway", cfg.loss_scale,
         )
+
+
+def _flag(cfg, name: str, default=None):
+    """``cfg.<name>``, or ``default`` where the configuration lacks it or cannot resolve it (a
+    task built from an older checkpoint's configuration, or without fairseq's ``common``)."""
+    try:
+        value = getattr(cfg, name, default)
+    except Exception:  # omegaconf: an interpolation with nothing to point at
+        return default
+    if value is None or (isinstance(value, str) and value.startswith("${")):  # a bare dataclass
+        return default
+    return value
+
+
+def _validate_loss_scale_flags(cfg) -> None:
+    """fairseq's ``--fp16-init-scale`` and ``--fp16-scale-window``, which fairseq takes as they
+    come: 0 fails only when the scaler is built (or, in fairseq's own scaler, at the first
+    scale update)."""
+    init = _flag(cfg, "fp16_init_scale")
+    if init is not None and not float(init) >= 1:
+        raise ValueError(f"--fp16-init-scale must be an integer >= 1 (the dynamic loss scale's "
+                         f"first value; fairseq's default 128), got {init!r}")
+    window = _flag(cfg, "fp16_scale_window")
+    if window is not None and int(window) < 1:
+        raise ValueError("--fp16-scale-window must be an integer >= 1 (clean updates before the "
+                         "dynamic loss scale grows; unset: 2**14 / (world size x update-freq)), "
+                         f"got {window!r}")
+
+
+#: each diagnostics file flag and the interval flag that turns it on (None: the file alone does)
+DIAGNOSTICS_FILES = {"scale_trace": None, "precision_stats": "precision_stats_interval",
+                     "precision_divergence": "precision_divergence_interval"}
+
+
+def _validate_diagnostics_flags(cfg) -> None:
+    """The diagnostics' intervals and files; in an fp32 run, a warning for each flag that
+    does nothing there."""
+    for interval in ("precision_stats_interval", "precision_divergence_interval"):
+        value = getattr(cfg, interval, 0)
+        if value is not None and int(value) < 0:
+            raise ValueError(f"--{interval.replace('_', '-')} must be >= 0 (0 = off), got {value!r}")
+    for name, interval in DIAGNOSTICS_FILES.items():
+        path = getattr(cfg, name, None)
+        flag = "--" + name.replace("_", "-")
+        if not path:
+            continue
+        if os.path.isdir(path) or path.endswith(("/", os.sep)):
+            raise ValueError(f"{flag} must name a file (it is written as JSON lines), got the "
+                             f"directory {path!r}")
+        if interval and not int(getattr(cfg, interval, 0) or 0):
+            # a warning, not a refusal: a checkpoint trained so still builds its task
+            iflag = "--" + interval.replace("_", "-")
+            logger.warning("%s %s: nothing is written without %s N (N >= 1: every N updates)",
+                           flag, path, iflag)
+    if not getattr(cfg, "fp16", False) and not getattr(cfg, "bf16", False):
+        if getattr(cfg, "scale_trace", None):
+            logger.warning("--scale-trace: an fp32 run has no loss scale and skips no update; "
+                           "nothing is written (it traces --fp16/--bf16 runs)")
+        if int(getattr(cfg, "precision_stats_interval", 0) or 0):
+            logger.warning("--precision-stats-interval: an fp32 run has no half gradients and no "
+                           "fp32 master weights; nothing is measured (it measures --fp16/--bf16 runs)")
 
 
 def drop_pad_columns(sample: dict, pad: int) -> dict:

@@ -40,7 +40,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 
 import fairseq_fp16  # noqa: F401  (registers the plugin; installs its patches)
 from fairseq_fp16.patches import REGISTRY
-from fairseq_fp16.optim.mixed_precision import _rank
+from fairseq_fp16.optim.traces import _rank
 
 
 @dataclass
