@@ -10,7 +10,9 @@ In a doc (README.md, docs/*.md, examples/translation/*.md) a table sits between 
     <!-- /table -->
 
 Everything between them is generated: a one-line italic note naming the JSON file(s) and the
-command that reproduces the data, then the markdown table. :data:`TABLES` maps each NAME to
+command that reproduces the data (for a benchmark table also the commit and the torch and CUDA
+versions the data records, and whether the plugin changed since: :func:`provenance_note`), then
+the markdown table. :data:`TABLES` maps each NAME to
 its files and its render function (a ``.jsonl`` file loads as a list of records); the
 functions read numbers from the JSON only, so a number in a doc changes when its data changes
 and nowhere else. ``--check`` (run by the test suite) also refuses an unknown NAME, a marker
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .paths import ROOT
+from .provenance import PLUGIN, label, source_hashes
 from .tables import md_table
 
 #: the docs that may hold tables (globs under the repository root)
@@ -368,6 +371,59 @@ def machine_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                     rows)
 
 
+# -- provenance -----------------------------------------------------------------------------------
+
+def _provenances(d) -> List[dict]:
+    """The provenance records of one loaded JSON: its own, or those of the records it holds
+    (profiles.json: ``{tokens: {mode: profile}}``); for a file without any, one record of
+    what it says (the torch version under ``torch`` or ``machine``), its commit unknown."""
+    if isinstance(d, dict) and isinstance(d.get("provenance"), dict):
+        return [d["provenance"]]
+    held = [r["provenance"] for runs in (d.values() if isinstance(d, dict) else []) if isinstance(runs, dict)
+            for r in runs.values() if isinstance(r, dict) and isinstance(r.get("provenance"), dict)]
+    if held:
+        return held
+    machine = d.get("machine") if isinstance(d, dict) else None
+    torch = (d.get("torch") if isinstance(d, dict) else None) or (machine or {}).get("torch")
+    return [{"commit": None, "torch": torch}]
+
+
+def plugin_changed_since(root: Path, record: dict) -> Optional[bool]:
+    """Whether ``fairseq_fp16/`` in ``root`` differs from the plugin a benchmark measured: its
+    content hash against the one ``record`` (a provenance record) holds; None where the record
+    has none. Read from the files, not from git: the same answer in any checkout of a commit."""
+    measured = (record.get("source_hashes") or {}).get(PLUGIN)
+    if not measured:
+        return None
+    return source_hashes(root)[PLUGIN] != measured
+
+
+def _unique(values) -> List[str]:
+    return list(dict.fromkeys(v for v in values if v))
+
+
+def provenance_note(data: Sequence, root: Path) -> str:
+    """``Measured at COMMIT (torch X, CUDA Y): ...``: the commits and versions the data records,
+    and whether its rows are stale (the plugin's source differs from the one measured), current,
+    or may be stale (the data records no source hash)."""
+    records = [p for d in data for p in _provenances(d)]
+    stale, unknown = [], False
+    for p in records:
+        changed = plugin_changed_since(root, p)
+        if changed:
+            stale.append(label(p))
+        unknown = unknown or changed is None
+    versions = (f"torch {', '.join(_unique(p.get('torch') for p in records)) or 'unknown'}, "
+                f"CUDA {', '.join(_unique(p.get('cuda') for p in records)) or 'unknown'}")
+    if stale:
+        verdict = f"stale: {PLUGIN}/ changed since {' and '.join(_unique(stale))}"
+    elif unknown:
+        verdict = "the rows may be stale"
+    else:
+        verdict = f"{PLUGIN}/ unchanged since"
+    return f"Measured at {' and '.join(_unique(label(p) for p in records))} ({versions}): {verdict}."
+
+
 # -- the registry ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -375,6 +431,7 @@ class Table:
     sources: Tuple[str, ...]  # JSON files, relative to the repository root
     command: Optional[str]  # what reproduces the data; None: the file is written by hand
     render: Callable[[Sequence[dict], Sequence[str]], str]
+    provenance: bool = False  # a benchmark's table: its note names the data's commit and versions
 
 
 def _demo_verdicts(*machines: str) -> Tuple[str, ...]:
@@ -403,14 +460,14 @@ TABLES: Dict[str, Table] = {
                          scale_trace_rows),
     "machines": Table((f"{BENCH}/machines.json",), None, machine_rows),
     "h200-precisions": Table((f"{BENCH}/h200/precisions/train_16384.json",), "bash scripts/gpu/session.sh OUT",
-                             gpu_precision_rows),
+                             gpu_precision_rows, provenance=True),
     "h200-profiles": Table((f"{BENCH}/h200/precisions/profiles.json",), "bash scripts/gpu/session.sh OUT",
-                           profile_rows),
+                           profile_rows, provenance=True),
     "h200-batch-sizes": Table(tuple(f"{BENCH}/h200/precisions/{n}.json"
                                     for n in ("train_16384", "train_32768", "profiles")),
-                              "bash scripts/gpu/session.sh OUT", gpu_batch_rows),
+                              "bash scripts/gpu/session.sh OUT", gpu_batch_rows, provenance=True),
     "h200-ab": Table((f"{BENCH}/h200/ab-16k/train_16384.json", f"{BENCH}/h200/ab-16k/profiles.json"),
-                     "bash scripts/gpu/session.sh OUT (MODES_A: the A/B modes)", gpu_ab_rows),
+                     "bash scripts/gpu/session.sh OUT (MODES_A: the A/B modes)", gpu_ab_rows, provenance=True),
     "op-census": Table((f"{BENCH}/avx512-epyc/op_census.json",),
                        "python scripts/op_census.py data/gpu-bench/bin --model \"--arch transformer "
                        "--share-all-embeddings --dropout 0.1 --max-tokens 1024\"", census_rows),
@@ -467,7 +524,8 @@ def render_table(name: str, root: Path, tables: Dict[str, Table]) -> str:
     if common and common not in table.sources:  # many files in one folder: name it once
         files = f"`{common}/`: " + ", ".join(f"`{Path(s).relative_to(common).as_posix()}`" for s in table.sources)
     data_note = f"data: `{table.command}`" if table.command else "written by hand"
-    note = f"*Generated by `scripts/render_docs.py` from {files}; {data_note}.*"
+    measured = f" {provenance_note(data, root)}" if table.provenance else ""
+    note = f"*Generated by `scripts/render_docs.py` from {files}; {data_note}.{measured}*"
     return f"{note}\n\n{table.render(data, table.sources)}"
 
 

@@ -87,7 +87,11 @@ def test_run_stats_profiles_the_updates_it_is_asked_for(toy_data, tmp_path):
     out = json.loads(profile.read_text())
     assert (out["name"], out["first_update"], out["updates"]) == ("fp16", 6, 3)
     assert out["wall_ms"] > 0 and 0 <= out["outside_step_ms"] < out["wall_ms"]
-    assert json.loads(stats.read_text())["exit_code"] == 0
+    stats = json.loads(stats.read_text())
+    assert stats["exit_code"] == 0
+    assert out["provenance"]["commit"] == stats["provenance"]["commit"] and len(out["provenance"]["commit"]) == 40
+    # the profiler's own stop and start did not move the log intervals the timings come from
+    assert [i["num_updates"] for i in stats["intervals"]] == [5, 10]
 
 
 def test_run_stats_refuses_a_bad_profile_window(tmp_path):

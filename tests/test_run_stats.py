@@ -1,8 +1,10 @@
-"""scripts/run_stats.py: the stats file is written whatever the outcome."""
+"""scripts/run_stats.py: the stats file is written whatever the outcome, with the run's
+provenance and its log intervals; the profiled window's start."""
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 # run_stats.main on ``fairseq-train --help`` (exits 0 at once), its machine() replaced when asked
 DRIVER = r"""
@@ -34,6 +36,73 @@ def test_the_machine_is_recorded_otherwise(tmp_path):
     out = _run(tmp_path, "ok")
     assert out["machine"]["cpu_cores"] >= 1 and out["machine"]["torch"]
     assert "machine_error" not in out
+
+
+def test_the_stats_record_the_provenance_and_the_intervals(tmp_path):
+    from fairseq_fp16_tools.provenance import SOURCES
+
+    out = _run(tmp_path, "ok")
+    assert out["intervals"] == []  # --help trains nothing
+    provenance = out["provenance"]
+    assert len(provenance["commit"]) == 40 and provenance["commit_from"] == "git"
+    assert list(provenance["source_hashes"]) == list(SOURCES) and provenance["torch"] == out["machine"]["torch"]
+
+
+class FakeTrainer:
+    """fairseq's Trainer as the step wrappers see it: ``num_updates`` moves on each applied
+    update; calls listed in ``overflow`` are skipped. Each call takes 0.25 s of ``now``."""
+
+    def __init__(self, overflow=(), compile_at=None):
+        self.cfg = SimpleNamespace(common=SimpleNamespace(log_interval=5))
+        self.updates, self.calls, self.now, self.compiled = 0, 0, 0.0, 0
+        self.overflow, self.compile_at = set(overflow), compile_at or {}
+
+    def get_num_updates(self):
+        return self.updates
+
+    def train_step(self, samples):
+        self.calls += 1
+        self.now += 0.25
+        self.compiled += self.compile_at.get(self.calls, 0)
+        if self.calls not in self.overflow:
+            self.updates += 1
+
+
+def test_the_interval_log_counts_skips_words_and_compiles_per_log_interval():
+    from fairseq_fp16_tools.bench.run_stats import IntervalLog
+
+    trainer = FakeTrainer(overflow={2, 3, 9}, compile_at={1: 12, 8: 1})
+    log = IntervalLog(clock=lambda: trainer.now, compiles=lambda: trainer.compiled, sync=lambda: None)
+    step = log.wrap(trainer, trainer.train_step)
+    for _ in range(14):  # update_freq 2, one of them a dummy batch
+        step([{"ntokens": 60}, {"ntokens": 40}, {}])
+    # calls 1-7: five applied, two skipped; 8-13: five applied, one skipped; 14 opens the third
+    assert log.intervals == [
+        {"num_updates": 5, "attempted": 7, "skipped": 2, "words": 500, "wall_ms": 1750.0, "compiles": 12},
+        {"num_updates": 10, "attempted": 6, "skipped": 1, "words": 500, "wall_ms": 1500.0, "compiles": 1}]
+
+
+def test_the_profiled_window_begins_at_its_update_after_skipped_ones():
+    """--profile-updates 6:3 when two earlier calls overflowed: the window begins at call 8, the
+    first made at num_updates 5, and ends as call 11 begins."""
+    from fairseq_fp16_tools.bench.run_stats import UpdateProfiler
+
+    events = []
+
+    class Window(UpdateProfiler):
+        def _begin(self):
+            events.append(("begin", self.calls))
+            self._prof = object()
+
+        def finish(self):
+            events.append(("finish", self.calls))
+            self._prof = None
+
+    trainer = FakeTrainer(overflow={2, 3})
+    step = Window(6, 3, "p.json").wrap(trainer, trainer.train_step)
+    for _ in range(12):
+        step([])
+    assert events == [("begin", 8), ("finish", 11)]
 
 
 class FakeCuda:

@@ -1,6 +1,6 @@
 """Time per update of real fairseq-train runs, per precision, on the same model and data.
 
-    python scripts/bench_fairseq_train.py [DATA_BIN] [--updates 30] [--modes ...] [--model "..."]
+    python scripts/bench_fairseq_train.py [DATA_BIN] [--warmup 10] [--updates 30] [--modes ...] [--model "..."]
 
 Without DATA_BIN the synthetic corpus (scripts/make_toy_corpus.py) is built in a
 temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
@@ -19,19 +19,33 @@ fairseq's own attention, the CPU default), fp16-compiled / bf16-compiled
 (--compile-layers, which compiles the fused loss too) and fp16-workers4
 (--num-workers 4: four batch-loading processes instead of fairseq's one).
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
-CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for
---updates updates without validation or checkpoints; ms/update is
-the median of fairseq's per-interval rate over the intervals after the first (a compiled
-mode's recompile for a new input variant stalls one interval, not the figure).
-The modes run interleaved --repeats times; each reports its median. Prints a
-table and, as its last line, one JSON object; its ``skipped_updates`` counts each mode's
-updates skipped for overflow (they cost time but fairseq's ups does not count them).
+CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for --warmup
+updates and then --updates timed ones, without validation or checkpoints. fp16's loss
+scale starts high and halves on the overflows early in a run; the warm-up keeps those skipped
+updates out of the figures. Figures of the timed intervals (fairseq logs every 5 updates):
+
+* ``ms_per_update``, ``words_per_s``: the medians of fairseq's per-interval rates, which count
+  applied updates only (a compiled mode's recompile for a new input variant stalls one
+  interval, not the figure);
+* ``ms_per_attempted_update``: their wall time over every update attempted, skipped ones
+  included; ``applied_words_per_s``: the words of the applied updates over that wall time
+  (both from the run's own clock: scripts/run_stats.py's ``intervals``);
+* ``timed_skipped_updates`` and ``recompiles`` (torch.compile compilations) in them;
+  ``skipped_updates``: the whole run's; ``intervals``: each interval's record.
+
+The modes run interleaved --repeats times; each reports its median. Prints a table and, as
+its last line, one JSON object with the ``provenance`` of the code and software measured
+(fairseq_fp16_tools/provenance.py). --jsonl PATH appends to PATH a header line, one line per
+run of a mode as soon as it ends (``outcome``: ok, failed, timed out or skipped) and that JSON
+last, so a benchmark cut off keeps every mode that finished (:func:`summary_of` reads it back).
 
 With --profile-dir DIR, --profile-updates more updates run after the timed ones under
 torch.profiler (outside every logged interval) and DIR/MODE.json gets their summary
-(scripts/profile_summary.py: device busy/idle time, kernel classes, launches, host syncs).
---deadline SECONDS skips the modes not yet started once that much time has passed (a device
-session's time is fixed); the JSON lists them under "skipped".
+(scripts/profile_summary.py: device busy/idle time, kernel classes, launches, host syncs; also
+in the mode's --jsonl line). --mode-timeout SECONDS[,MODE=SECONDS...] kills a run that takes
+longer (``timed out``; the next mode runs). --deadline SECONDS skips the modes not yet started
+once that much time has passed (a device session's time is fixed); the JSON lists them under
+"skipped". SIGTERM kills the run in flight and skips the rest, the records still written.
 """
 
 import argparse
@@ -39,14 +53,17 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Dict, List, Optional
 
 from ..paths import USER_DIR, script
+from ..provenance import describe
 
 # (flags, plugin?, extra environment)
 MODES = {
@@ -79,6 +96,7 @@ MODES = {
     "fp16-workers4": ["--fp16", "--num-workers", "4"],
 }
 STOCK = {"fp16-stock"}
+LOG_INTERVAL = 5  # fairseq's --log-interval in every run: the intervals the figures come from
 ENV = {"tf32": {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}}
 MODEL = ("--arch transformer --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 "
          "--decoder-embed-dim 256 --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024 "
@@ -106,55 +124,284 @@ class RunFailed(RuntimeError):
     """One mode's run failed; the others still run and the JSON lists it under "failed"."""
 
 
-def skipped_updates(text: str) -> int:
-    """Updates skipped for overflow by the end of a run's log (the plugin's ``skipped``
-    counter in fairseq's train_inner records; 0 where there is none)."""
-    counts = re.findall(r"\| train_inner \|.* skipped=([0-9]+)", text)
-    return int(counts[-1]) if counts else 0
+class RunTimedOut(RunFailed):
+    """One mode's run passed its time limit and was killed."""
 
 
-def run(data, mode, updates, model, device, profile=None):
-    """(ms/update, target words/s, peak MB, skipped updates, machine) of one fairseq-train run.
+class Stopped(Exception):
+    """SIGTERM arrived while a mode ran (a session's time ran out): the run was killed."""
 
-    ``profile``: (updates to profile, JSON path), run after the timed updates.
+
+def parse_mode_timeout(ap: argparse.ArgumentParser, text: Optional[str]) -> Dict[str, float]:
+    """``--mode-timeout SECONDS[,MODE=SECONDS...]`` as ``{"default": seconds, mode: seconds}``."""
+    limits: Dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part:
+            continue
+        mode, _, value = part.rpartition("=")
+        if mode and mode not in MODES:
+            ap.error(f"--mode-timeout: unknown mode {mode}; valid: {', '.join(MODES)}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = 0.0
+        if not seconds > 0:
+            ap.error(f"--mode-timeout: {value!r} is not a number of seconds above 0")
+        limits[mode or "default"] = seconds
+    return limits
+
+
+def _records(text: str) -> List[Dict[str, str]]:
+    """fairseq's train_inner records of a ``--log-format simple`` log, as ``{key: value}``."""
+    return [dict(re.findall(r"([a-z_]+)=([^,\s]+)", line)) for line in text.splitlines()
+            if "| train_inner |" in line]
+
+
+def interval_rates(text: str, after: int = 0, upto: Optional[int] = None):
+    """(ms/update, words/s): the medians of fairseq's train_inner rates over the records whose
+    ``num_updates`` lies in (``after``, ``upto``]. fairseq counts applied updates only: its
+    ``ups`` and ``wps`` leave out the updates skipped for overflow but not their time."""
+    timed = [r for r in _records(text) if after < int(r.get("num_updates", 0)) <= (upto or 1 << 62)]
+    if not timed:
+        raise RunFailed(f"no train_inner record after update {after}; raise --updates")
+    ups = [float(r["ups"]) for r in timed]
+    wps = [float(r["wps"]) for r in timed]
+    return 1000.0 / statistics.median(ups), statistics.median(wps)
+
+
+def timed_figures(intervals: List[Dict], after: int, upto: int) -> Dict:
+    """The figures of the intervals (:class:`.run_stats.IntervalLog` records) whose
+    ``num_updates`` lies in (``after``, ``upto``]: ``ms_per_attempted_update`` (their wall time
+    over every update attempted, skipped ones included), ``applied_words_per_s`` (the words of
+    the applied updates over that wall time), ``timed_skipped_updates`` and ``recompiles``
+    (torch.compile compilations, each one after the first update a recompile)."""
+    timed = [i for i in intervals if after < i["num_updates"] <= upto]
+    if not timed:
+        raise RunFailed(f"no timed interval between updates {after} and {upto}")
+    wall_ms = sum(i["wall_ms"] for i in timed)
+    return {"ms_per_attempted_update": round(wall_ms / sum(i["attempted"] for i in timed), 2),
+            "applied_words_per_s": round(sum(i["words"] for i in timed) / (wall_ms / 1000.0), 1),
+            "timed_skipped_updates": sum(i["skipped"] for i in timed),
+            "recompiles": sum(i["compiles"] for i in timed)}
+
+
+def run(data, mode, updates, model, device, profile=None, warmup=0, timeout=None) -> Dict:
+    """One fairseq-train run of ``mode``: ``warmup`` updates, then ``updates`` timed ones.
+
+    Returns ``ms_per_update``, ``words_per_s`` (fairseq's rates, median over the timed
+    intervals), :func:`timed_figures`, ``peak_mb``, ``skipped_updates`` (the whole run's),
+    ``intervals`` (every interval's :class:`.run_stats.IntervalLog` record) and ``machine``.
+    ``profile``: (updates to profile, JSON path), run after the timed updates. ``timeout``:
+    seconds before the run is killed (:class:`RunTimedOut`).
     """
     flags = MODES[mode]
-    total, prof = updates, []
+    timed_end = warmup + updates
+    total, prof = timed_end, []
     if profile:  # the profiled window: whole updates after the last logged interval
-        total = updates + profile[0] + 1
-        prof = ["--profile-updates", f"{updates + 1}:{profile[0]}", str(profile[1])]
+        total = timed_end + profile[0] + 1
+        prof = ["--profile-updates", f"{timed_end + 1}:{profile[0]}", str(profile[1])]
     with tempfile.TemporaryDirectory() as tmp:
-        stats = Path(tmp) / "stats.json"
+        stats, log = Path(tmp) / "stats.json", Path(tmp) / "log.txt"
         cmd = [sys.executable, script("run_stats.py"), *prof, str(stats), "fairseq-train",
                str(data), *plugin_args(mode), "--lr", "1e-3",
                *shlex.split(model), "--max-update", str(total), "--log-format", "simple",
-               "--log-interval", "5", "--no-save", "--disable-validation", "--seed", "1", *device, *flags]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV.get(mode, {})})
-        if out.returncode != 0:
-            raise RunFailed(f"fairseq-train ({mode}) failed:\n{out.stderr[-3000:]}")
+               "--log-interval", str(LOG_INTERVAL), "--no-save", "--disable-validation", "--seed", "1",
+               *device, *flags]
+        # the log goes to a file, not a pipe: a killed run's loader workers, which end on their
+        # own once their parent is gone, cannot hold the benchmark up
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, **ENV.get(mode, {})})
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                if proc.poll() is None:  # timed out, or Stopped raised in wait()
+                    proc.kill()
+                    proc.wait()
+        text = log.read_text(errors="replace")
+        if code is None:
+            done = [r["num_updates"] for r in _records(text) if "num_updates" in r]
+            raise RunTimedOut(f"fairseq-train ({mode}) timed out after {timeout:g} s (its limit), "
+                              f"at update {done[-1] if done else 0} of {total}")
+        if code != 0:
+            raise RunFailed(f"fairseq-train ({mode}) failed:\n{text[-3000:]}")
         peak = json.loads(stats.read_text())
-    text = out.stdout + out.stderr
-    intervals = len(re.findall(r"\| train_inner \|", text))
-    if intervals < 2:
-        raise RunFailed(f"fairseq-train ({mode}): no train_inner records; raise --updates")
-    if profile and intervals != updates // 5:
+    logged = len(_records(text))
+    if logged < timed_end // LOG_INTERVAL:
+        raise RunFailed(f"fairseq-train ({mode}): {logged} train_inner records, {timed_end // LOG_INTERVAL} expected")
+    if profile and logged != timed_end // LOG_INTERVAL:
         raise RunFailed(f"fairseq-train ({mode}): the profiled updates reached a logged interval")
+    intervals = peak["intervals"]
+    ms, wps = interval_rates(text, warmup, timed_end)
     mem = peak["peak_cuda_mb"] if peak["peak_cuda_mb"] else peak["peak_rss_mb"]
-    return (*interval_rates(text), mem, skipped_updates(text), peak.get("machine"))
+    return {"ms_per_update": round(ms, 2), "words_per_s": round(wps, 1),
+            **timed_figures(intervals, warmup, timed_end), "peak_mb": round(mem, 1),
+            "skipped_updates": sum(i["skipped"] for i in intervals), "intervals": intervals,
+            "machine": peak.get("machine")}
 
 
-def interval_rates(text: str):
-    """(ms/update, words/s): the medians of fairseq's train_inner rates after the first interval,
-    which holds the start-up."""
-    ups = [float(x) for x in re.findall(r"\| train_inner \|.* ups=([0-9.]+)", text)][1:]
-    wps = [float(x) for x in re.findall(r"\| train_inner \|.* wps=([0-9.]+)", text)][1:]
-    return 1000.0 / statistics.median(ups), statistics.median(wps)
+class JsonLines:
+    """Appends one JSON object a line to ``path`` (nothing when None), each flushed to disk as it
+    is written, so that a session cut off keeps every line before the cut."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path
+
+    def write(self, record: Dict) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_records(path) -> List[Dict]:
+    """The records of a ``--jsonl`` file; a last line cut off mid-write is left out."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break
+    return records
+
+
+def summarize(header: Dict, records: List[Dict]) -> Dict:
+    """The benchmark's JSON from its ``run`` header and ``mode`` records (one per run of a
+    mode): each figure the median over a mode's repeats (peak memory and skips: the most), the
+    modes in the header's order; ``outcomes``: each mode's ``ok`` (a run finished), else its
+    last run's ``failed``, ``timed out`` or ``skipped``, or ``not run`` (no record: the
+    benchmark was cut off first)."""
+    ok: Dict[str, List[Dict]] = {}
+    for r in records:
+        if r["outcome"] == "ok":
+            ok.setdefault(r["mode"], []).append(r)
+    modes = [m for m in header["modes"] if m in ok]
+    last = {r["mode"]: r["outcome"] for r in records}
+    outcomes = {m: "ok" if m in ok else last.get(m, "not run") for m in header["modes"]}
+    failed: Dict[str, str] = {}
+    for r in records:
+        if r["outcome"] in ("failed", "timed out"):
+            failed.setdefault(r["mode"], r["error"].splitlines()[-1][:500])
+
+    def median(key, digits=1):
+        return {m: round(statistics.median(r[key] for r in ok[m]), digits) for m in modes}
+
+    def most(key):
+        return {m: max(r[key] for r in ok[m]) for m in modes}
+
+    ms, wps, mem = median("ms_per_update"), median("words_per_s"), most("peak_mb")
+    first = modes[0] if modes else None
+    return {
+        "record": "summary", "model": header["model"], "device": header["device"],
+        "updates": header["updates"], "warmup_updates": header["warmup_updates"],
+        "repeats": header["repeats"], "statistic": "median",
+        # native half modes on a CPU without units for their dtype: one run of --native-updates
+        "run_once": {m: ok[m][0]["updates"] for m in modes if ok[m][0].get("run_once")},
+        "cpu_native_fp16": header["cpu_native_fp16"], "cpu_native_bf16": header["cpu_native_bf16"],
+        "ms_per_update": ms,
+        "ratio_to_first": {k: round(v / ms[first], 3) for k, v in ms.items()},
+        "words_per_s": wps,
+        "words_ratio_to_first": {k: round(v / wps[first], 3) for k, v in wps.items()},
+        "ms_per_attempted_update": median("ms_per_attempted_update", 2),
+        "applied_words_per_s": median("applied_words_per_s"),
+        "peak_mb": mem, "peak_kind": "CUDA allocator peak" if header["device"] == "cuda" else "process peak RSS",
+        "peak_ratio_to_first": {k: round(v / mem[first], 3) for k, v in mem.items()},
+        # updates skipped for overflow (the most over a mode's repeats): in the whole run, and
+        # in its timed intervals; a skipped update costs its time but fairseq's ups omits it
+        "skipped_updates": most("skipped_updates"), "timed_skipped_updates": most("timed_skipped_updates"),
+        "recompiles": most("recompiles"),
+        # each interval of a mode's first run (every run's are in its own record)
+        "intervals": {m: ok[m][0]["intervals"] for m in modes},
+        "outcomes": outcomes,
+        "skipped": [f"{r['mode']} (repeat {r['repeat']})" for r in records if r["outcome"] == "skipped"],
+        "failed": failed, "machine": ok[modes[-1]][-1]["machine"] if modes else None,
+        "provenance": header["provenance"],
+    }
+
+
+def summary_of(path) -> Dict:
+    """The summary of a ``--jsonl`` file: its summary line, or one made from its mode records
+    when the benchmark was cut off before writing it.
+
+    Raises:
+        ValueError: the file has no ``run`` header (the benchmark never started).
+    """
+    records = read_records(path)
+    if not records or records[0].get("record") != "run":
+        raise ValueError(f"{path}: no run header; the benchmark did not start")
+    if records[-1].get("record") == "summary":
+        return records[-1]
+    return summarize(records[0], [r for r in records if r.get("record") == "mode"])
+
+
+class _StopOnSigterm:
+    """While entered, SIGTERM ends the run of the mode in flight (:class:`Stopped`) and starts
+    no other; the records and the summary are still written. Outside a run it only sets
+    ``requested``. The previous handler is put back on exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.in_run = False
+        self._previous = None
+
+    def __enter__(self) -> "_StopOnSigterm":
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        if self.in_run:
+            self.in_run = False
+            raise Stopped("stopped by SIGTERM (the session's time ran out)")
+
+
+def run_mode(data, mode, updates, a, device, profile, timeout, stop) -> Dict:
+    """The record of one run of ``mode`` (:func:`run`): ``outcome`` ok with its figures and
+    profile, or failed / timed out with the ``error``; ``wall_s`` either way."""
+    start = time.monotonic()
+    try:
+        stop.in_run = True
+        record = {"outcome": "ok", "updates": updates,
+                  **run(data, mode, updates, a.model, device, profile, a.warmup, timeout)}
+        stop.in_run = False
+        if profile and profile[1].exists():
+            record["profile"] = json.loads(profile[1].read_text())
+    except (RunTimedOut, Stopped) as e:
+        record = {"outcome": "timed out", "error": str(e)}
+    except RunFailed as e:
+        record = {"outcome": "failed", "error": str(e)}
+    finally:
+        stop.in_run = False
+    record["wall_s"] = round(time.monotonic() - start, 1)
+    return record
+
+
+def print_table(summary: Dict) -> None:
+    ms, wps, mem = summary["ms_per_update"], summary["words_per_s"], summary["peak_mb"]
+    if not ms:
+        return
+    first = next(iter(ms))
+    for mode in ms:
+        print(f"{mode:14s} {ms[mode]:9.1f} ms/update  x{ms[mode] / ms[first]:.2f}  "
+              f"{wps[mode]:9.0f} words/s  x{wps[mode] / wps[first]:.2f}  "
+              f"{mem[mode]:8.0f} MB  x{mem[mode] / mem[first]:.2f}  "
+              f"{summary['ms_per_attempted_update'][mode]:9.1f} ms/attempted update  "
+              f"{summary['timed_skipped_updates'][mode]} skipped, {summary['recompiles'][mode]} recompiles",
+              flush=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("data", nargs="?", help="data-bin directory (default: the synthetic corpus)")
-    ap.add_argument("--updates", type=int, default=30)
+    ap.add_argument("--updates", type=int, default=30, help="timed updates, after --warmup")
+    ap.add_argument("--warmup", type=int, default=10, help="updates before the timed ones")
     ap.add_argument("--modes", default="fp32,fp16,fp16-native,bf16,bf16-native,bf16-fp32acc")
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--cuda", action="store_true", help="train on the GPU instead of --cpu")
@@ -162,13 +409,19 @@ def main(argv=None):
     ap.add_argument("--profile-dir", help="profile each mode after its timed updates; summaries here")
     ap.add_argument("--profile-updates", type=int, default=3)
     ap.add_argument("--deadline", type=float, help="seconds after which no further mode starts")
+    ap.add_argument("--mode-timeout", metavar="SECONDS[,MODE=SECONDS...]",
+                    help="seconds a run of a mode may take before it is killed (per mode after it)")
+    ap.add_argument("--jsonl", help="append the header, each run's record as it ends, and the summary here")
     ap.add_argument("--native-updates", type=int, default=10,
                     help="updates for fp16-native / bf16-native on a CPU without units for their "
                     "dtype (slow; run once, not --repeats times)")
     a = ap.parse_args(argv)
     modes = parse_modes(ap, a.modes)
-    if a.updates < 10 or a.updates % 5:
+    limits = parse_mode_timeout(ap, a.mode_timeout)
+    if a.updates < 10 or a.updates % LOG_INTERVAL:
         ap.error(f"--updates must be a multiple of 5 (the log interval), at least 10; got {a.updates}")
+    if a.warmup < 0 or a.warmup % LOG_INTERVAL:
+        ap.error(f"--warmup must be a multiple of 5 (the log interval); got {a.warmup}")
     if a.profile_dir:
         Path(a.profile_dir).mkdir(parents=True, exist_ok=True)
     data = a.data
@@ -180,65 +433,45 @@ def main(argv=None):
     from fairseq_fp16.core.half_matmul import cpu_has_native_half
     import torch
 
-    runs, once, skipped, failed, machine = {m: [] for m in modes}, [], [], {}, None
+    sink = JsonLines(a.jsonl)
+    header = {"record": "run", "model": a.model, "device": "cuda" if a.cuda else "cpu", "modes": modes,
+              "updates": a.updates, "warmup_updates": a.warmup, "repeats": a.repeats,
+              "mode_timeout_s": limits, "cpu_native_fp16": cpu_has_native_half(torch.float16),
+              "cpu_native_bf16": cpu_has_native_half(torch.bfloat16), "provenance": describe()}
+    sink.write(header)
+    records: List[Dict] = []
     began = time.monotonic()
-    for rep in range(a.repeats):
-        for mode in modes:
-            if a.deadline is not None and time.monotonic() - began > a.deadline:
-                skipped.append(f"{mode} (repeat {rep + 1})")
-                continue
-            native = {"fp16-native": torch.float16, "bf16-native": torch.bfloat16}.get(mode)
-            slow = native is not None and not a.cuda and not cpu_has_native_half(native)
-            if slow and runs[mode]:
-                continue  # once is enough for the slow one
-            if slow:
-                once.append(mode)
-            profile = None
-            if a.profile_dir and not runs[mode]:
-                profile = (a.profile_updates, Path(a.profile_dir) / f"{mode}.json")
-            if mode in failed:
-                continue
-            try:
-                *result, machine = run(data, mode, a.native_updates if slow else a.updates, a.model,
-                                       device, profile)
-            except RunFailed as e:
-                print(e, file=sys.stderr, flush=True)
-                failed[mode] = str(e).splitlines()[-1][:500]
-                continue
-            runs[mode].append(tuple(result))
-            ms_, wps_, mem_, _ = runs[mode][-1]  # as it goes, so a run cut short still says something
-            print(f"  {mode}: {ms_:.1f} ms/update, {wps_:.0f} words/s, {mem_:.0f} MB",
-                  file=sys.stderr, flush=True)
-    runs = {m: v for m, v in runs.items() if v}
-    modes = [m for m in modes if m in runs]
-    if not modes:
-        raise SystemExit(f"no mode ran: failed {failed}, skipped {skipped}")
-    ms = {m: statistics.median(r[0] for r in v) for m, v in runs.items()}
-    wps = {m: statistics.median(r[1] for r in v) for m, v in runs.items()}
-    mem = {m: max(r[2] for r in v) for m, v in runs.items()}
-    mem_kind = "CUDA allocator peak" if a.cuda else "process peak RSS"
-    first = modes[0]
-    for mode in modes:
-        print(f"{mode:14s} {ms[mode]:9.1f} ms/update  x{ms[mode] / ms[first]:.2f}  "
-              f"{wps[mode]:9.0f} words/s  x{wps[mode] / wps[first]:.2f}  "
-              f"{mem[mode]:8.0f} MB  x{mem[mode] / mem[first]:.2f}  "
-              f"(runs: {', '.join(f'{r[0]:.0f}' for r in runs[mode])} ms)", flush=True)
-    print(json.dumps({
-        "model": a.model, "device": "cuda" if a.cuda else "cpu", "updates": a.updates,
-        "repeats": a.repeats, "statistic": "median",
-        # native half modes on a CPU without units for their dtype: one run of --native-updates
-        "run_once": {m: a.native_updates for m in once},
-        "cpu_native_fp16": cpu_has_native_half(torch.float16),
-        "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
-        "ms_per_update": {k: round(v, 1) for k, v in ms.items()},
-        "ratio_to_first": {k: round(v / ms[modes[0]], 3) for k, v in ms.items()},
-        "words_per_s": {k: round(v, 1) for k, v in wps.items()},
-        "words_ratio_to_first": {k: round(v / wps[first], 3) for k, v in wps.items()},
-        "peak_mb": {k: round(v, 1) for k, v in mem.items()}, "peak_kind": mem_kind,
-        "peak_ratio_to_first": {k: round(v / mem[first], 3) for k, v in mem.items()},
-        # updates skipped for overflow in each mode's run (the most over its repeats): a skipped
-        # update costs its time but is not counted in ups
-        "skipped_updates": {k: max(r[3] for r in v) for k, v in runs.items()},
-        "skipped": skipped, "failed": failed, "machine": machine,
-    }))
-
+    with _StopOnSigterm() as stop:
+        for rep in range(a.repeats):
+            for mode in modes:
+                native = {"fp16-native": torch.float16, "bf16-native": torch.bfloat16}.get(mode)
+                slow = native is not None and not a.cuda and not cpu_has_native_half(native)
+                done = [r["outcome"] for r in records if r["mode"] == mode]
+                if "failed" in done or "timed out" in done or (slow and "ok" in done):
+                    continue  # a failed mode is not retried; once is enough for the slow one
+                record = {"record": "mode", "mode": mode, "repeat": rep + 1}
+                if stop.requested:
+                    record.update(outcome="skipped", reason="the session's time ran out")
+                elif a.deadline is not None and time.monotonic() - began > a.deadline:
+                    record.update(outcome="skipped", reason=f"not started within --deadline {a.deadline:g} s")
+                else:
+                    profile = None
+                    if a.profile_dir and "ok" not in done:
+                        profile = (a.profile_updates, Path(a.profile_dir) / f"{mode}.json")
+                    record.update(run_mode(data, mode, a.native_updates if slow else a.updates, a, device,
+                                           profile, limits.get(mode, limits.get("default")), stop),
+                                  run_once=slow)
+                records.append(record)
+                sink.write(record)
+                if record["outcome"] == "ok":  # as it goes, so a run cut short still says something
+                    print(f"  {mode}: {record['ms_per_update']:.1f} ms/update, {record['words_per_s']:.0f} "
+                          f"words/s, {record['peak_mb']:.0f} MB", file=sys.stderr, flush=True)
+                else:
+                    print(f"  {mode}: {record['outcome']}: {record.get('error') or record['reason']}",
+                          file=sys.stderr, flush=True)
+    summary = summarize(header, records)
+    sink.write(summary)
+    if not summary["ms_per_update"]:
+        raise SystemExit(f"no mode ran: failed {summary['failed']}, skipped {summary['skipped']}")
+    print_table(summary)
+    print(json.dumps(summary))

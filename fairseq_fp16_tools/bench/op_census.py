@@ -31,7 +31,8 @@ the half products they replace.
 
 ``scripts/run_stats.py --census-updates FIRST:COUNT CENSUS.json`` takes the census of COUNT
 steady-state updates of a ``fairseq-train`` run from update FIRST on;
-``scripts/op_census.py`` compares modes.
+``scripts/op_census.py`` compares modes; its JSON records the ``provenance`` of the code and
+software counted (fairseq_fp16_tools/provenance.py).
 """
 
 import argparse
@@ -51,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..paths import ROOT, script
+from ..provenance import describe
 from .fairseq_train import ENV, MODEL, MODES, STOCK, parse_modes, plugin_args
 
 __all__ = ["CLASSES", "OpCensus", "classify_op", "diff_table", "table"]
@@ -320,5 +322,5 @@ def main(argv=None) -> int:
     for mode in modes[1:]:
         if "error" not in results[base] and "error" not in results[mode]:
             print(f"\n{mode} against {base}:\n" + diff_table(results[base], results[mode]))
-    print(json.dumps({"model": a.model, "updates": a.updates, "census": results}))
+    print(json.dumps({"model": a.model, "updates": a.updates, "census": results, "provenance": describe()}))
     return 0

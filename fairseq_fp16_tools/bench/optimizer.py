@@ -15,7 +15,8 @@ the host's launches and the kernels' latency, not bandwidth, and the kernels it 
 Bytes per parameter: wrapper 44 (grad copy fp16 -> fp32 2+4; norm reads the
 fp32 grads 4; fused AdamW reads param/grad/m/v 16 and writes param/m/v 12;
 copy back 4+2); fused fp32 AdamW 28. The copy moves the wrapper's bytes (half
-read, half written) in fp32. Prints a table and, as its last line, one JSON object.
+read, half written) in fp32. Prints a table and, as its last line, one JSON object (with the
+``provenance`` of the code and software measured: fairseq_fp16_tools/provenance.py).
 """
 
 import argparse
@@ -30,6 +31,7 @@ from fairseq_fp16.core.host_sync import HostSyncCounter
 from fairseq_fp16.core.loss_scaler import LossScaler
 from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer
 
+from ..provenance import describe
 from .op_census import OpCensus
 
 CHUNK = 1 << 20  # parameters per tensor (a transformer has many mid-sized tensors)
@@ -165,5 +167,6 @@ def main(argv=None):
           f"{fixed['params'] // fixed['tensors']} parameters, {fixed['launches']:.0f} kernel launches"
           + (f"; {fixed['torch_step_ms']:.3f} ms through torch's AdamW.step" if "torch_step_ms" in fixed else ""))
     print(json.dumps({"device": str(device), "torch": torch.__version__,
-                      "threads": torch.get_num_threads(), "results": rows, "fixed": fixed}))
+                      "threads": torch.get_num_threads(), "results": rows, "fixed": fixed,
+                      "provenance": describe()}))
 

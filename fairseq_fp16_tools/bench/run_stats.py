@@ -3,19 +3,23 @@
     python scripts/run_stats.py [--profile-updates FIRST:COUNT PROFILE.json]
         [--census-updates FIRST:COUNT CENSUS.json] STATS.json fairseq-train ARGS...
 
-Writes ``{"wall_s", "peak_rss_mb", "peak_cuda_mb", "exit_code", "machine"}`` to
-STATS.json when the command ends, whatever the outcome (``machine``: see
-:func:`machine`). Peak RSS is the process's
+Writes ``{"wall_s", "peak_rss_mb", "peak_cuda_mb", "exit_code", "machine", "provenance"}``
+to STATS.json when the command ends, whatever the outcome (``machine``: see :func:`machine`;
+``provenance``: :func:`fairseq_fp16_tools.provenance.describe`), and for fairseq-train
+``intervals``, one record per log interval (:class:`IntervalLog`: updates attempted and
+skipped, applied words, wall time, torch.compile compilations). Peak RSS is the process's
 high-water mark (``getrusage``), so it includes the interpreter and torch
 (a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak over the whole run
 (:class:`CudaPeak`). It imports nothing of fairseq before the CLI module, so the CLI sets up
 logging.
 
-With ``--profile-updates FIRST:COUNT PROFILE.json`` the updates FIRST to FIRST+COUNT-1
-(counting ``Trainer.train_step`` calls from 1) run under ``torch.profiler``, from the start of
-update FIRST to the start of the next one, and PROFILE.json gets their summary
-(:func:`bench.profile_summary.summarize_trace`: device busy and idle time, time by kernel class,
-launches and host syncs per update). The run needs at least FIRST+COUNT updates.
+With ``--profile-updates FIRST:COUNT PROFILE.json`` COUNT ``Trainer.train_step`` calls run
+under ``torch.profiler``, from the one that begins update FIRST (the first call made at
+fairseq's ``num_updates`` FIRST-1: updates skipped for overflow earlier do not move the window
+into the updates before it) to the start of the call after them, and PROFILE.json gets their
+summary (:func:`bench.profile_summary.summarize_trace`: device busy and idle time, time by kernel
+class, launches and host syncs per update) with the run's ``provenance``. The run needs at least
+FIRST+COUNT updates.
 
 With ``--census-updates FIRST:COUNT CENSUS.json`` those updates' ``train_step`` calls run under
 :class:`bench.op_census.OpCensus` instead, and CENSUS.json gets the operators, bytes and host
@@ -114,12 +118,99 @@ class CudaPeak:
         return max(self._kept, self.cuda.max_memory_allocated()) / 2**20
 
 
+def install_step_wrapper(train_module, wrap) -> None:
+    """Wrap ``train_module.train`` (``fairseq_cli.train``'s epoch loop) so that the trainer it
+    receives gets ``trainer.train_step = wrap(trainer, trainer.train_step)`` once: the instance's
+    attribute, so the plugin's checks of fairseq's class see it unchanged. Several wrappers
+    nest, the one installed last outermost."""
+    train_epoch = train_module.train
+    wrapped = []
+
+    def train(cfg, trainer, *args, **kwargs):
+        if not any(t is trainer for t in wrapped):
+            wrapped.append(trainer)
+            trainer.train_step = wrap(trainer, trainer.train_step)
+        return train_epoch(cfg, trainer, *args, **kwargs)
+
+    train_module.train = train
+
+
+def _compiles() -> int:
+    """Frames torch.compile has compiled in this process (dynamo's ``frames/ok`` counter; 0
+    where dynamo was never imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["frames"]["ok"]) if utils is not None else 0
+
+
+def _sync_cuda() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class IntervalLog:
+    """One record per fairseq log interval of a fairseq-train run, counted around
+    ``Trainer.train_step``.
+
+    An interval ends with the applied update that brings ``num_updates`` to a multiple of
+    ``--log-interval``, as fairseq's ``train_inner`` records do. Each record:
+    ``num_updates`` (at its end), ``attempted`` (train_step calls), ``skipped`` (calls that
+    left ``num_updates`` where it was: overflow skips), ``words`` (the target tokens of the
+    applied updates, fairseq's ``ntokens``), ``wall_ms`` (from the end of the previous
+    interval, or the start of the first call, to its end, loading and logging included) and
+    ``compiles`` (frames torch.compile compiled in it; after the first update each is a
+    recompile). The device is synchronized at each interval's end (fairseq's log line that
+    follows waits for it anyway); no other host sync is added. ``clock`` and ``compiles`` are
+    injectable for tests.
+    """
+
+    def __init__(self, clock=time.perf_counter, compiles=_compiles, sync=_sync_cuda) -> None:
+        self.clock, self.compiles, self.sync = clock, compiles, sync
+        self.intervals = []
+        self._start = None
+        self._open = None
+
+    def install(self, train_module) -> None:
+        install_step_wrapper(train_module, self.wrap)
+
+    def _reset(self, start: float) -> None:
+        self._start, self._compiles0 = start, self.compiles()
+        self._open = {"attempted": 0, "skipped": 0, "words": 0}
+
+    def wrap(self, trainer, step):
+        every = trainer.cfg.common.log_interval
+
+        def train_step(samples, *args, **kwargs):
+            if self._open is None:
+                self._reset(self.clock())
+            before = trainer.get_num_updates()
+            result = step(samples, *args, **kwargs)
+            after = trainer.get_num_updates()
+            acc = self._open
+            acc["attempted"] += 1
+            if after == before:
+                acc["skipped"] += 1
+            else:
+                batches = [samples] if isinstance(samples, dict) else samples or []
+                acc["words"] += sum(int(s.get("ntokens") or 0) for s in batches if s)
+                if after % every == 0:
+                    self.sync()
+                    end = self.clock()
+                    self.intervals.append({"num_updates": after, **acc,
+                                           "wall_ms": round((end - self._start) * 1000.0, 3),
+                                           "compiles": self.compiles() - self._compiles0})
+                    self._reset(end)
+            return result
+
+        return train_step
+
+
 class _UpdateWindow:
-    """Updates ``first`` .. of a fairseq run, by ``Trainer.train_step`` calls counted from 1.
+    """Updates ``first`` .. of a fairseq run, by ``Trainer.train_step`` calls.
 
     :meth:`install` wraps the ``train_step`` of the trainer that ``fairseq_cli.train.train``
-    receives (the instance's, so the plugin's checks of fairseq's class see it unchanged) with
-    the subclass's :meth:`wrap`.
+    receives with the subclass's :meth:`wrap` (:func:`install_step_wrapper`).
     """
 
     FLAG = ""
@@ -134,27 +225,20 @@ class _UpdateWindow:
 
     def install(self, train_module) -> None:
         """Wrap ``train_module.train`` (``fairseq_cli.train``'s epoch loop)."""
-        train_epoch = train_module.train
-        window = self
-
-        def train(cfg, trainer, *args, **kwargs):
-            if "train_step" not in vars(trainer):
-                trainer.train_step = window.wrap(trainer, trainer.train_step)
-            return train_epoch(cfg, trainer, *args, **kwargs)
-
-        train_module.train = train
+        install_step_wrapper(train_module, self.wrap)
 
     def wrap(self, trainer, step):
         raise NotImplementedError
 
 
 class UpdateProfiler(_UpdateWindow):
-    """``torch.profiler`` over updates ``first`` .. ``first + count - 1`` of a fairseq run.
+    """``torch.profiler`` over ``count`` updates of a fairseq run from update ``first`` on.
 
-    The profiler starts as update ``first`` begins and stops as update ``first + count`` begins (or
-    at :meth:`finish`), with the device synchronized at both ends, so the window holds whole
-    updates with the loader and logging between them. The summary (with ``name``) is written
-    to ``out_path`` as JSON.
+    The profiler starts as the first ``train_step`` call made at ``num_updates == first - 1``
+    begins and stops as the ``count``-th call after it begins (or at :meth:`finish`), with the
+    device synchronized at both ends, so the window holds whole updates with the loader and
+    logging between them. The summary (with ``name`` and the run's provenance) is written to
+    ``out_path`` as JSON.
     """
 
     FLAG = "--profile-updates"
@@ -164,13 +248,15 @@ class UpdateProfiler(_UpdateWindow):
         self.step_ms = []
         self._prof = None
         self._start = None
+        self._began = None  # the call the window began at
 
     def wrap(self, trainer, step):
         def train_step(*args, **kwargs):
             self.calls += 1
-            if self.calls == self.first:
+            if self._began is None and trainer.get_num_updates() >= self.first - 1:
+                self._began = self.calls
                 self._begin()
-            elif self.calls == self.first + self.count:
+            elif self._began is not None and self.calls == self._began + self.count:
                 self.finish()
             start = time.perf_counter()
             try:
@@ -221,7 +307,8 @@ class UpdateProfiler(_UpdateWindow):
             summary = summarize_trace(trace, len(self.step_ms), window_ms, self.step_ms)
         except Exception as e:
             summary = {"error": repr(e)}
-        self.summary = {"name": self.name, "first_update": self.first, **summary}
+        self.summary = {"name": self.name, "first_update": self.first, **summary,
+                        "provenance": _provenance()}
         with open(self.out_path, "w") as f:
             json.dump(self.summary, f)
 
@@ -299,6 +386,16 @@ class UpdateCensus(_UpdateWindow):
             json.dump(self.summary, f)
 
 
+def _provenance():
+    """The run's provenance record, or ``{"error": ...}``: it must not fail the run it describes."""
+    from ..provenance import describe
+
+    try:
+        return describe()
+    except Exception as e:
+        return {"error": repr(e)}
+
+
 def _parse_window_flags(argv):
     """(UpdateProfiler or None, UpdateCensus or None, remaining argv) from leading
     ``--profile-updates F:N PATH`` / ``--census-updates F:N PATH``."""
@@ -336,6 +433,10 @@ def main(argv=None) -> int:
 
     cuda_peak = CudaPeak(torch.cuda)
     module = importlib.import_module(CLIS[tool])
+    intervals = None
+    if tool == "fairseq-train":
+        intervals = IntervalLog()
+        intervals.install(module)  # innermost: next to fairseq's own train_step
     for flag, window in (("--profile-updates", profiler), ("--census-updates", census)):
         if window is not None:
             if tool != "fairseq-train":
@@ -362,11 +463,14 @@ def main(argv=None) -> int:
             "peak_cuda_mb": cuda_peak.peak_mb(),
             "exit_code": code,
         }
+        if intervals is not None:
+            stats["intervals"] = intervals.intervals
         try:
             stats["machine"] = machine(args)
         except Exception as e:  # the timings still get written, and the run's own error raised
             stats["machine"] = None
             stats["machine_error"] = repr(e)
+        stats["provenance"] = _provenance()
         with open(stats_path, "w") as f:
             json.dump(stats, f)
     return code

@@ -6,6 +6,8 @@
 #
 #   bash scripts/gpu/stage_wheels.sh [DIR]     # default DIR: .whl (ignored by git; carry it)
 #
+# scripts/gpu/prepare.sh runs it, and writes .whl/source.json beside the wheels.
+#
 # The list below is fairseq-fixed's requirements minus what that image holds (the device
 # tool's package list). Idempotent: files already in DIR are kept.
 set -euo pipefail
