@@ -1,6 +1,7 @@
 # make install: .venv with torch (CPU pin first), fairseq-fixed and this project.
 # make test:    the test suite.   make demo: the fp32/fp16/bf16 side-by-side run.
-# make soak:    the long reliability run (2,000 fp16 updates with injected overflows).
+# make soak:    the long reliability run (2,000 fp16 updates with injected overflows) and the
+#               resume matrix's cells that make test leaves out.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin

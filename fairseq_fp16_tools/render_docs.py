@@ -371,6 +371,60 @@ def machine_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                     rows)
 
 
+WRITERS = {"stock": "stock fairseq", "stock-apex": "stock fairseq with apex (GPU)", "plugin": "the plugin"}
+#: what a stock writer's checkpoint is: a real CPU run in fp32, the layout a GPU writes otherwise
+LAYOUTS = {("stock", "fp32"): "a real run", ("stock", "fp16"): "FP16Optimizer's layout",
+           ("stock", "bf16"): "FP16Optimizer's layout", ("stock-apex", "fp32"): "FusedAdam's layout",
+           ("stock-apex", "fp16"): "FP16Optimizer over FusedAdam", ("stock-apex", "bf16"): "FP16Optimizer over FusedAdam"}
+
+
+def _outcome_counts(cells: Sequence[dict]) -> str:
+    kept = sum(c["outcome"] == "kept" for c in cells)
+    text = f"{kept} of {len(cells)} kept"
+    refused = sum(c["outcome"] == "refused" for c in cells)
+    if refused:
+        text += f", {refused} refused"
+    continued = sum(c.get("continued") == "equal" for c in cells)
+    return text + (f"; {continued} continued as uninterrupted" if continued else "")
+
+
+def resume_matrix_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """tests/test_resume_matrix.py's outcomes by writer and precision written (rows) and
+    precision resumed (columns), over its optimizers and EMA on/off."""
+    (d,) = data
+    cells: Dict[Tuple[str, str, str], List[dict]] = {}
+    for key, cell in d["cells"].items():
+        writer, precisions = key.split("/")[:2]
+        written, resumed = precisions.split("->")
+        cells.setdefault((writer, written, resumed), []).append(cell)
+    precisions = ("fp32", "fp16", "bf16")
+    rows = []
+    for writer, label in WRITERS.items():
+        for written in precisions:
+            if not any((writer, written, r) in cells for r in precisions):
+                continue
+            what = f"{label}, {written}" + (f" ({LAYOUTS[writer, written]})" if writer != "plugin" else "")
+            rows.append([what] + [_outcome_counts(cells.get((writer, written, r), [])) for r in precisions])
+    return md_table(["checkpoint written by", "resumed in fp32", "resumed in --fp16", "resumed in --bf16"], rows)
+
+
+def resume_change_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """tests/test_resume_matrix.py's resumes with another --optimizer (in --fp16)."""
+    (d,) = data
+    rows = []
+    for key, change in d["changes"].items():
+        writer, optimizers = key.split("/")
+        saved, resumed = optimizers.split("->")
+        if change["outcome"] == "refused":
+            flags = ", ".join(f"`{f}`" for f in dict.fromkeys(re.findall(r"--[a-z][a-z0-9-]*", change["message"]))
+                              if f != "--optimizer")
+            outcome = f"refused, naming {flags}"
+        else:
+            outcome = "kept (the moments carried parameter by parameter)"
+        rows.append([WRITERS[writer], f"`{saved}`", f"`{resumed}`", outcome])
+    return md_table(["checkpoint written by", "--optimizer written", "--optimizer resumed", "outcome"], rows)
+
+
 # -- provenance -----------------------------------------------------------------------------------
 
 def _provenances(d) -> List[dict]:
@@ -439,7 +493,12 @@ def _demo_verdicts(*machines: str) -> Tuple[str, ...]:
 
 
 BENCH_DEMO_MODEL = "bench_fairseq_train.py data/debian-ende/bin-max40 --model \"<the demo's model>\""
+RESUME_MATRIX = ("docs/resume_matrix.json",)
+RESUME_COMMAND = 'RESUME_MATRIX_WRITE=1 pytest -m "soak or not soak" tests/test_resume_matrix.py'
+
 TABLES: Dict[str, Table] = {
+    "resume-matrix": Table(RESUME_MATRIX, RESUME_COMMAND, resume_matrix_rows),
+    "resume-changes": Table(RESUME_MATRIX, RESUME_COMMAND, resume_change_rows),
     "headline": Table(
         _demo_verdicts("avx512-epyc", "amx-xeon", "avx2-epyc") + (f"{BENCH}/h200/precisions/train_16384.json",),
         f"{DEMO} --seed N ... and scripts/verdict.py (CPUs); scripts/gpu/session.sh (GPU)", headline_rows),

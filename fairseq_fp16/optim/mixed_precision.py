@@ -35,7 +35,7 @@ from ..core.diagnostics import NonFiniteWatch, attribute_overflow
 from ..core.loss_scaler import LossScaler
 from ..core.master_weights import MixedPrecisionOptimizer
 from ..core.param_names import param_name
-from .stock_state import check_same_optimizer, describe_state, import_stock_state, stock_loss_scale
+from .stock_state import STOCK_HALF, check_same_optimizer, describe_state, import_stock_state, stock_loss_scale
 from .traces import Diagnostics
 from ..precision import NAMES, Precision
 
@@ -468,7 +468,7 @@ class _MasterWeights:
             scaler = dict(self.loss_scaler.state_dict(), scale=scale, prev_scale=scale)
             carried.append(f"loss scale {scale:g}")
         masters, names = self._masters_from(state_dict.get("fp32_weights") or {})
-        if masters:
+        if masters and stock not in STOCK_HALF:
             carried.append("fp32 weights as masters")
         return {"precision": self.precision.name, "optimizer": torch_state, "scaler": scaler,
                 "master_params": masters, "master_names": names, "stock": stock, "carried": carried}

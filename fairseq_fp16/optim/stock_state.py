@@ -21,7 +21,8 @@ with ``--optimizer adam``, ``FairseqNAG``, ``FP16Optimizer`` for ``--fp16``,
   the parameter group, not per parameter: it is given to each parameter;
 * ``FP16Optimizer``/``MemoryEfficientFP16Optimizer``: the loss scale (fairseq saves no other
   scaler state, and neither does it restore one). ``FP16Optimizer`` saves no fp32 masters: a
-  half run rebuilds them from the half model, as stock fairseq does on resume.
+  half run takes the saved half weights, widened, as stock fairseq does on resume (a model of
+  the other half dtype would hold them rounded).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..core.adam import BACKEND_KEYS
 from ..core.param_names import param_name
 
 __all__ = ["PLUGIN_OPTIMIZER", "STOCK_HALF", "check_same_optimizer", "describe_state",
@@ -55,8 +57,10 @@ def saved_optimizer_name(state: Dict) -> Optional[str]:
 
 
 def _fp32_weights(state: Dict) -> Dict[str, torch.Tensor]:
+    """The checkpoint's model weights as fp32: exact for an fp32 run; a half run's are the half
+    values widened, which a model of the other half dtype would round."""
     model = state.get("model") or {}
-    return {k: v for k, v in model.items() if torch.is_tensor(v) and v.dtype == torch.float32}
+    return {k: v.float() for k, v in model.items() if torch.is_tensor(v) and v.is_floating_point()}
 
 
 def prepare_for_resume(state: Dict) -> Optional[str]:
@@ -83,8 +87,9 @@ def prepare_for_resume(state: Dict) -> Optional[str]:
         "stock": name,
         "stock_optimizer": saved_optimizer_name(state),
         "stock_state": saved,
-        # an fp32 run's weights are exact: a half run takes them as its masters
-        "fp32_weights": _fp32_weights(state) if name not in STOCK_HALF else {},
+        # a half run's masters: an fp32 run's weights (exact), or FP16Optimizer's half weights
+        # (it saves no masters), also where this run's model has the other half dtype
+        "fp32_weights": _fp32_weights(state),
     }
     return name
 
@@ -100,9 +105,8 @@ def check_same_optimizer(saved: Optional[str], current: Optional[str], stock: bo
     if stock and current in STOCK_INTERCHANGEABLE.get(saved, ()):
         return
     raise ValueError(
-        f"fairseq_fp16: Optimizer does not match; please reset the optimizer (--reset-optimizer). "
-        f"The checkpoint was written with --optimizer {saved}, this run has --optimizer {current}: "
-        "--reset-optimizer loads the model's weights and starts the optimizer afresh")
+        f"Optimizer does not match; please reset the optimizer (--reset-optimizer). The checkpoint "
+        f"was written with --optimizer {saved}, this run has --optimizer {current} (fairseq_fp16)")
 
 
 def _per_param(stock: str, saved: Dict, params: Sequence[torch.Tensor]) -> List[Optional[Dict]]:
@@ -159,6 +163,12 @@ def import_stock_state(stock: str, saved: Dict, target: torch.optim.Optimizer,
     per_param = _per_param(stock, saved, owners)
     position = {id(p): i for i, p in enumerate(params)}
     layout = target.state_dict()
+    if len(saved["param_groups"]) == len(layout["param_groups"]):
+        # what the optimizer keeps in its groups (NAG's last learning rate, the
+        # hyperparameters a stock resume restores), as fairseq's own resume loads them
+        for mine, theirs in zip(layout["param_groups"], saved["param_groups"]):
+            mine.update({k: v for k, v in theirs.items()
+                         if k not in ("params", *BACKEND_KEYS) and (k != "step" or "step" in mine)})
     state, index = {}, 0
     for group, layout_group in zip(target.param_groups, layout["param_groups"]):
         steps = []

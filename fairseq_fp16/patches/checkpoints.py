@@ -172,9 +172,21 @@ _RESUMING: list = []
 def _load_checkpoint(self, filename, *args, **kwargs):
     _RESUMING.append(self)
     try:
-        return _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs)
+        extra_state = _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs)
     finally:
         _RESUMING.pop()
+    _ema_model_from_its_fp32_weights(self, extra_state)
+    return extra_state
+
+
+def _ema_model_from_its_fp32_weights(trainer, extra_state) -> None:
+    """With ``--ema-fp32``, fairseq loads the EMA model from the checkpoint's EMA model (in the
+    writer's dtype) and the fp32 EMA beside it: a run in another half dtype holds the EMA model
+    rounded twice until the next EMA update rebuilds it from the fp32 EMA. It is rebuilt now,
+    as that update would."""
+    ema = trainer.cfg.ema
+    if extra_state and ema.store_ema and ema.ema_fp32 and "ema_fp32_params" in extra_state:
+        trainer.ema.restore(dict(trainer.ema.fp32_params), build_fp32_params=False)
 
 
 def _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs):
@@ -227,11 +239,13 @@ PATCHES = [
     Patch(SAVE, group="repair", expects=["PathManager.copy(", "trainer.save_checkpoint(checkpoints[0], extra_state)"],
           why="relied on: save_checkpoint copies through the module's PathManager (above)"),
     Patch(TRAINER_LOAD, group="repair", replacement=_load_checkpoint,
-          expects=["state = checkpoint_utils.load_checkpoint_to_cpu("],
+          expects=["state = checkpoint_utils.load_checkpoint_to_cpu(",
+                   'self.ema.build_fp32_params(extra_state["ema_fp32_params"])'],
           why="a truncated or corrupt checkpoint_last.pt (a kill while stock fairseq copied it) "
               "stops every resume; the run resumes from the intact checkpoint beside it with the "
               "most updates, with a warning naming both files, the damaged one copied to .damaged; "
-              "and a stock "
+              "with --ema-fp32 the EMA model is rebuilt from the fp32 EMA loaded (not the writer's "
+              "EMA model, rounded again in another dtype); and a stock "
               "fairseq checkpoint's optimizer state (FairseqAdam, FP16Optimizer) is read into the "
               "plugin's optimizer instead of refused as 'Optimizer does not match'"),
     Patch(LOAD, group="repair", replacement=_load_checkpoint_to_cpu,
