@@ -243,19 +243,26 @@ PROFILE_CLASSES = ("matmul", "attention", "softmax/norm", "elementwise/other", "
 
 
 def census_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
-    """scripts/op_census.py: launches per update by phase, MB moved, host syncs, per mode."""
+    """scripts/op_census.py: launches per applied update by phase, MB moved, host syncs, per
+    mode; where the run had them, the launches of an update that overflowed (after another:
+    the non-finite watch armed) and the forward launches of an applied update with the watch
+    armed."""
     (d,) = data
     rows = []
     for mode, c in d["census"].items():
         if "error" in c:
             continue
-        phase, cls = c["by_phase"], c["by_class"]
+        phase, cls, kinds = c["by_phase"], c["by_class"], c.get("kinds", {})
+        other = [thousands(kinds["armed_overflowed"]["launches"]) if "armed_overflowed" in kinds else "-",
+                 thousands(kinds["armed_applied"]["by_phase"]["forward"]["launches"])
+                 if "armed_applied" in kinds else "-"]
         rows.append([mode, thousands(c["launches"]), thousands(phase["forward"]["launches"]),
                      thousands(phase["backward"]["launches"]), thousands(phase["step"]["launches"]),
                      thousands(c["mb"]), thousands(cls["elementwise/other"]["mb"] + cls["softmax/norm"]["mb"]),
-                     thousands(cls["copies"]["mb"]), num(c["syncs"], 0)])
+                     thousands(cls["copies"]["mb"]), num(c["syncs"], 0)] + other)
     return md_table(["mode", "launches", "forward", "backward", "step", "MB moved",
-                     "elementwise + softmax/norm MB", "copies MB", "host syncs"], rows)
+                     "elementwise + softmax/norm MB", "copies MB", "host syncs",
+                     "launches, overflowing", "forward, watch armed"], rows)
 
 
 def profile_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
@@ -527,9 +534,10 @@ TABLES: Dict[str, Table] = {
                               "bash scripts/gpu/session.sh OUT", gpu_batch_rows, provenance=True),
     "h200-ab": Table((f"{BENCH}/h200/ab-16k/train_16384.json", f"{BENCH}/h200/ab-16k/profiles.json"),
                      "bash scripts/gpu/session.sh OUT (MODES_A: the A/B modes)", gpu_ab_rows, provenance=True),
-    "op-census": Table((f"{BENCH}/avx512-epyc/op_census.json",),
+    "op-census": Table((f"{BENCH}/amx-xeon/op_census.json",),
                        "python scripts/op_census.py data/gpu-bench/bin --model \"--arch transformer "
-                       "--share-all-embeddings --dropout 0.1 --max-tokens 1024\"", census_rows),
+                       "--share-all-embeddings --dropout 0.1 --max-tokens 4096\"", census_rows,
+                       provenance=True),
     "optimizer": Table(tuple(f"{BENCH}/{m}/optimizer.json" for m in ("avx512-epyc", "avx2-epyc", "amx-xeon"))
                        + (f"{BENCH}/h200/ab-16k/optimizer.json",),
                        "python scripts/bench_optimizer.py --params 1e6,1e7,1e8 [--device cuda]", optimizer_rows),

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_MODEL, TRAIN, USER_DIR
-from fairseq_fp16_tools.bench.op_census import OpCensus, classify_op, diff_table, table
+from fairseq_fp16_tools.bench.op_census import (OpCensus, classify_op, diff_table, foreach_launches,
+                                                 run_census, table)
 
 
 def test_an_elementwise_op_reads_its_inputs_and_writes_its_output():
@@ -128,3 +129,42 @@ def test_run_stats_takes_one_window_at_a_time(tmp_path):
     proc = subprocess.run(both, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "--profile-updates and --census-updates: one at a time" in proc.stderr
+
+
+def test_multi_tensor_ops_count_as_torchs_cuda_backend_launches_them():
+    """One launch on torch's fast path; one a tensor where it would take its slow path."""
+    dense = [torch.ones(4, 4), torch.ones(2, 3).t()]  # a transpose is dense
+    assert foreach_launches("_foreach_norm", (dense, float("inf")), {}) == 1
+    assert foreach_launches("_foreach_norm", (dense, 2), {}) == 1
+    assert foreach_launches("_foreach_norm", (dense, 0), {}) == 2  # no order-0 kernel (torch 2.11)
+    sliced = [torch.ones(4, 4), torch.ones(4, 4)[:, :2]]
+    assert foreach_launches("_foreach_norm", (sliced, 2), {}) == 2
+    mixed = [torch.ones(4), torch.ones(4).half()]
+    assert foreach_launches("_foreach_mul", (mixed, 0.0), {}) == 2
+    halves, floats = [torch.ones(4).half()] * 3, [torch.ones(4)] * 3
+    assert foreach_launches("_foreach_copy_", (floats, halves), {}) == 1  # a copy may convert
+    assert foreach_launches("_foreach_add_", (floats, halves), {}) == 3
+    assert foreach_launches("_foreach_add_", (floats, [torch.ones(2, 2)] * 3), {}) == 3
+    with OpCensus() as census:
+        torch._foreach_norm(sliced, 2)
+        torch._foreach_norm(dense, float("inf"))
+    assert census.summary(1)["ops"]["_foreach_norm"][0] == 3
+
+
+@pytest.mark.slow
+def test_an_update_that_overflows_launches_no_more_than_one_that_applies(toy_data):
+    """The census by kind of a fairseq fp16 run whose first updates overflow (a scale of 2**24):
+    the watch armed after an overflow adds a few launches to a forward, the attribution of an
+    overflow a few more, and the step it skips more than pays for them."""
+    census = run_census(toy_data, "fp16", " ".join(TINY_MODEL) + " --max-tokens 1000 --fp16-init-scale 16777216",
+                        first=1, count=2)
+    kinds = census["kinds"]
+    assert {"applied", "overflowed", "armed_overflowed"} <= set(kinds), set(kinds)
+    applied, armed = kinds["applied"], kinds["armed_overflowed"]
+    assert census["launches"] == applied["launches"] and applied["updates"] == 2
+    forward = applied["by_phase"]["forward"]["launches"]
+    assert armed["by_phase"]["forward"]["launches"] <= forward + 10
+    assert armed["by_phase"]["step"]["launches"] == 0
+    assert armed["launches"] <= applied["launches"]
+    if "armed_applied" in kinds:  # the first step also builds the optimizer's state
+        assert kinds["armed_applied"]["by_phase"]["forward"]["launches"] <= forward + 6

@@ -14,7 +14,8 @@
   2018).
 * :class:`NonFiniteWatch` finds the first module whose forward output holds
   inf/nan, with forward hooks that check only while armed (after a step that
-  overflowed), so a healthy run pays nothing.
+  overflowed), so a healthy run pays nothing, and an armed forward a few
+  multi-tensor launches.
 
 Layers are parameter names without their last component
 (``decoder.layers.0.fc1.weight`` -> ``decoder.layers.0.fc1``).
@@ -34,6 +35,8 @@ from .master_weights import param_name
 __all__ = [
     "attribute_overflow",
     "gradient_precision_stats",
+    "is_dense",
+    "peak_magnitudes",
     "LostUpdateMonitor",
     "layer_of",
     "NonFiniteWatch",
@@ -48,19 +51,113 @@ def _named(params: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
     return [(param_name(p, f"param{i}"), p) for i, p in enumerate(params)]
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its storage span without gaps or overlaps, in any dimension order
+    (torch's ``is_non_overlapping_and_dense``): the condition under which torch's CUDA
+    multi-tensor kernels take a tensor (a slice does not qualify)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> "OrderedDict[tuple, List[int]]":
+    groups: "OrderedDict[tuple, List[int]]" = OrderedDict()
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype, is_dense(t)), []).append(i)
+    return groups
+
+
+def peak_magnitudes(tensors: Sequence[torch.Tensor]) -> List[tuple]:
+    """The largest magnitude of each tensor (NaN where it holds a NaN, inf where an inf), as
+    ``[(indices, fp32 peaks)]`` on the tensors' devices, no host sync.
+
+    One multi-tensor launch (``torch._foreach_norm(..., inf)``, which propagates NaN) and one
+    ``stack`` per device and dtype: torch's CUDA kernel takes a list of dense tensors of one
+    dtype and device in a single launch; a tensor that is not dense (a slice) gets its own.
+    """
+    out = []
+    for (_, dtype, dense), indices in _by_device_and_dtype(tensors).items():
+        group = [tensors[i] for i in indices]
+        wide = torch.float64 if dtype == torch.float64 else torch.float32  # exact for half
+        if dense:
+            out.append((indices, torch.stack(torch._foreach_norm(group, float("inf"), dtype=wide))))
+        else:
+            for i, t in zip(indices, group):
+                out.append(([i], torch.linalg.vector_norm(t, float("inf"), dtype=wide).reshape(1)))
+    return out
+
+
+def _read_by_index(parts: Sequence[tuple], n: int) -> List[float]:
+    """``[(indices, 1-D tensor)]`` parts as Python floats in index order (one host sync per
+    device)."""
+    values = [0.0] * n
+    by_device: "OrderedDict[torch.device, list]" = OrderedDict()
+    for indices, peaks in parts:
+        by_device.setdefault(peaks.device, []).append((indices, peaks))
+    for device_parts in by_device.values():
+        flat = device_parts[0][1] if len(device_parts) == 1 else torch.cat([p for _, p in device_parts])
+        read = flat.cpu().tolist()  # the sync
+        k = 0
+        for indices, peaks in device_parts:
+            for i in indices:
+                values[i] = read[k]
+                k += 1
+    return values
+
+
+#: elements of the culprits' gradients whose non-finite elements are counted at once (a copy of
+#: them and a byte each of temporary memory, on the overflow step, after the activations are freed)
+COUNT_CHUNK = 1 << 27
+
+
+def _count_non_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The non-finite elements of each of ``grads`` (one device and dtype, dense) as an fp64
+    vector, in four multi-tensor launches and a ``stack``: ``g * 0`` is NaN exactly where
+    ``g`` is not finite, NaN converts to True, True back to 1, and the 1-norm sums them
+    (fp64, so that no count rounds)."""
+    marks = torch._foreach_mul(grads, 0.0)
+    flags = [torch.empty_like(m, dtype=torch.bool) for m in marks]
+    torch._foreach_copy_(flags, marks)
+    torch._foreach_copy_(marks, flags)
+    return torch.stack(torch._foreach_norm(marks, 1, dtype=torch.float64))
+
+
 def attribute_overflow(params: Sequence[torch.Tensor], top: int = 5) -> List[Dict]:
     """Parameters with non-finite gradients, most non-finite elements first.
 
-    Returns ``[{"param", "nonfinite", "numel"}]`` (at most ``top``). One host sync.
+    Returns ``[{"param", "nonfinite", "numel"}]`` (at most ``top``). Run on an overflow step,
+    it costs a few launches and two host syncs, however many gradients overflowed: each
+    gradient's peak magnitude in one multi-tensor launch per dtype (:func:`peak_magnitudes`),
+    read with one sync; then the culprits' non-finite elements counted, a few multi-tensor
+    launches per dtype and :data:`COUNT_CHUNK` elements, read with the second.
     """
     named = [(n, p) for n, p in _named(params) if p.grad is not None]
     if not named:
         return []
-    counts = torch.stack([(~torch.isfinite(p.grad)).sum() for _, p in named]).tolist()
+    grads = [p.grad.detach() for _, p in named]
+    peaks = _read_by_index(peak_magnitudes(grads), len(grads))
+    culprits = [i for i, peak in enumerate(peaks) if not math.isfinite(peak)]
+    if not culprits:
+        return []
+    parts = []
+    for (_, _, dense), members in _by_device_and_dtype([grads[i] for i in culprits]).items():
+        chunk: List[int] = []
+        size = 0
+        for k in members + [None]:
+            numel = grads[culprits[k]].numel() if k is not None else 0
+            if chunk and (k is None or not dense or size + numel > COUNT_CHUNK):
+                parts.append((chunk, _count_non_finite([grads[culprits[j]] for j in chunk])))
+                chunk, size = [], 0
+            if k is not None:
+                chunk.append(k)
+                size += numel
+    counts = _read_by_index(parts, len(culprits))
     hits = [
-        {"param": n, "nonfinite": int(c), "numel": p.grad.numel()}
-        for (n, p), c in zip(named, counts)
-        if c > 0
+        {"param": named[i][0], "nonfinite": int(c), "numel": grads[i].numel()}
+        for i, c in zip(culprits, counts)
     ]
     hits.sort(key=lambda h: (-h["nonfinite"], h["param"]))
     return hits[:top]
@@ -165,48 +262,86 @@ class NonFiniteWatch:
     Forward hooks on every submodule of ``model`` while armed; disarmed (the
     default) the model has none, so its modules keep ``nn.Module``'s fast call
     path (a module with hooks pays for them on every call). Armed, each hook
-    takes the largest magnitude of each of its module's floating-point outputs
-    (one reduction kernel, no host sync: NaN if the output has a NaN, inf if it
-    has an inf), and the first read of :attr:`first` looks through them with
-    one host sync for the first non-finite one, recorded as ``{"module",
-    "type", "dtype", "kind", "shape"}``. Hooks fire when a module's forward
-    returns, so inner modules are seen before the blocks that contain them.
+    records its module's floating-point outputs and keeps a reference to them;
+    the outputs held are reduced together, their peak magnitudes taken in one
+    multi-tensor launch per dtype (:func:`peak_magnitudes`: NaN if an output has
+    a NaN, inf if it has an inf), when a child of the model (fairseq's encoder,
+    decoder) returns, when :data:`MAX_HELD` outputs or :data:`MAX_HELD_BYTES`
+    are held, and when :attr:`first` is read. An armed forward therefore costs
+    a few launches, not one per module output, and no host sync; the first read
+    of :attr:`first` looks through the peaks with one sync for the first
+    non-finite output, recorded as ``{"module", "type", "dtype", "kind",
+    "shape"}``. Hooks fire when a module's forward returns, so
+    inner modules are seen before the blocks that contain them.
+
+    An output is reduced after its module returned, so one that a later module
+    changes in place (fairseq's attention scales its query projection in place)
+    is seen as changed: a non-finite value written into it later is attributed to
+    it. Holding the outputs keeps alive, until the model's child that made them
+    returns, those the backward pass would not have kept: at most
+    :data:`MAX_HELD_BYTES`.
 
     The optimizer arms the watch after an update that overflowed and disarms
     it after a finite one; :meth:`remove` takes the hooks off. Armed, it holds
     ``--compile-layers``' compiled layers to their own forward (:func:`.compile.hold_eager`).
     """
 
-    #: records kept before they are looked through (one sync) to bound their memory
-    MAX_PENDING = 4096
+    #: outputs held before they are reduced, and the bytes they may hold
+    MAX_HELD = 1024
+    MAX_HELD_BYTES = 1 << 30
+    #: records kept before their peaks are looked through (one sync), to bound their memory
+    MAX_RECORDS = 1 << 16
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.armed = False
         self._model: torch.nn.Module | None = model
         self._first: Dict | None = None
-        self._pending: List[tuple] = []  # (max magnitude, module name, type, dtype, shape)
+        self._records: List[tuple] = []  # (module name, type, dtype, shape), in hook order
+        self._held: List[tuple] = []  # (record index, output) not yet reduced
+        self._held_bytes = 0
+        self._peaks: List[tuple] = []  # (record indices, their peaks on the device)
         self._handles: List = []
 
+    def _forget(self) -> None:
+        self._records, self._held, self._peaks = [], [], []
+        self._held_bytes = 0
+
     def _hook(self, name: str, module: torch.nn.Module):
+        kind = type(module).__name__
+        top = "." not in name  # a child of the model (fairseq's encoder, decoder)
+
         def hook(_module, _inputs, output):
             if self._first is not None:
                 return
             for t in _float_tensors(output):
-                if t.numel():
-                    peak = torch.linalg.vector_norm(t.detach(), float("inf"))
-                    self._pending.append((peak, name, type(module).__name__, t.dtype, list(t.shape)))
-            if len(self._pending) >= self.MAX_PENDING:
+                if t.numel() and t.layout == torch.strided:
+                    self._held.append((len(self._records), t.detach()))
+                    self._records.append((name, kind, t.dtype, list(t.shape)))
+                    self._held_bytes += t.numel() * t.element_size()
+            if top or len(self._held) >= self.MAX_HELD or self._held_bytes >= self.MAX_HELD_BYTES:
+                self._reduce()
+            if len(self._records) >= self.MAX_RECORDS:
                 self._resolve()
 
         return hook
 
+    def _reduce(self) -> None:
+        """Take the peaks of the outputs held (a few launches, no sync) and let them go."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        if held:
+            for positions, peaks in peak_magnitudes([t for _, t in held]):
+                self._peaks.append(([held[k][0] for k in positions], peaks))
+
     def _resolve(self) -> None:
-        """Find the first non-finite record among the pending ones (one host sync)."""
-        pending, self._pending = self._pending, []
-        if self._first is not None or not pending:
+        """Find the first non-finite output among those recorded (one host sync)."""
+        self._reduce()
+        records, peaks = self._records, self._peaks
+        self._forget()
+        if self._first is not None or not records:
             return
-        peaks = torch.stack([p[0].float() for p in pending]).cpu()  # the sync
-        for (_, name, kind, dtype, shape), peak in zip(pending, peaks.tolist()):
+        # the parts' indices are record indices: read them in record order
+        values = _read_by_index(peaks, len(records))
+        for (name, kind, dtype, shape), peak in zip(records, values):
             if not math.isfinite(peak):
                 self._first = {
                     "module": name,
@@ -227,7 +362,7 @@ class NonFiniteWatch:
         """Check the next forward passes (hooks on); forget the previous finding."""
         self.armed = True
         self._first = None
-        self._pending = []
+        self._forget()
         if self._model is not None and not self._handles:
             self._handles = [
                 module.register_forward_hook(self._hook(name, module))
@@ -240,7 +375,7 @@ class NonFiniteWatch:
         """Stop checking (hooks off); forget the finding."""
         self.armed = False
         self._first = None
-        self._pending = []
+        self._forget()
         self._remove_hooks()
 
     def remove(self) -> None:

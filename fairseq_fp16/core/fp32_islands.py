@@ -8,10 +8,18 @@ neighbouring half layers see half tensors. Normalisation layers (LayerNorm,
 GroupNorm, BatchNorm) are islands by default, as in the apex recipe: their
 mean/variance reductions lose too much in fp16.
 
-The upcast costs a copy of each norm's input, and torch's CPU ``layer_norm`` would
-take the half input with the fp32 weights directly; but it sums the weights'
-gradients at lower precision (1% off in bf16, ``tests/core/test_fp32_islands.py``),
-so the islands keep the copy.
+The upcast costs a copy of each norm's input and of its output (two launches each
+way). A ``LayerNorm`` island calls ``layer_norm`` on the half input with its fp32
+weights directly where torch's kernel computes as the island does: statistics and
+affine in fp32 from the half input, the output rounded once, the weights' gradients
+summed in fp32 (:func:`direct_half_layer_norm`, probed once per device type and
+dtype). torch's CPU kernel takes the mixed dtypes but sums the weights' gradients at
+lower precision (0.3% off in fp16, 1.5% in bf16, ``tests/core/test_fp32_islands.py``); its
+CUDA kernel (``aten/src/ATen/native/cuda/layer_norm_kernel.cu``, as far as its source was
+read) computes in fp32 but reads the weights as the input's dtype, and so refuses fp32
+ones ("expected scalar type Half but found Float", pytorch/pytorch#135969, open). Both keep
+the copies, then; a torch whose kernel passes the probe runs without them
+(``tests/core/test_cuda_fp32_islands.py`` tells on a GPU).
 
 A marked module keeps its fp32 parameters through later dtype casts (its
 ``_apply`` drops the half cast but keeps device moves), so no precision is
@@ -24,9 +32,11 @@ import re
 from typing import Dict, List, Optional, Tuple, Type
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NORM_TYPES", "apply_fp32_islands", "default_norm_types", "is_fp32_island", "keep_in_fp32"]
+__all__ = ["NORM_TYPES", "apply_fp32_islands", "default_norm_types", "direct_half_layer_norm",
+           "is_fp32_island", "keep_in_fp32"]
 
 NORM_TYPES: Tuple[Type[nn.Module], ...] = (
     nn.LayerNorm,
@@ -78,6 +88,73 @@ def _first_half_dtype(args, kwargs) -> Optional[torch.dtype]:
     return None
 
 
+#: (device type, dtype) -> whether torch's layer_norm there computes a half input with fp32
+#: weights as the island does (:func:`direct_half_layer_norm`)
+_DIRECT_NORM: Dict[Tuple[str, torch.dtype], bool] = {}
+#: the probe's sizes: enough rows that a weight gradient summed in half precision misses
+_PROBE_ROWS, _PROBE_WIDTH = 256, 64
+
+
+def within_one_ulp(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whether ``a`` is within one ``dtype`` ulp of ``b`` everywhere (a 0-dim bool tensor): the
+    spacing of ``dtype`` at ``|b|``, ``eps * 2**floor(log2 |b|)``, never below the subnormal
+    spacing."""
+    info = torch.finfo(dtype)
+    a, b = a.float(), b.float()
+    _, exponent = torch.frexp(b)
+    ulp = torch.ldexp(torch.full_like(b, info.eps), exponent - 1).clamp(min=info.tiny * info.eps)
+    ulp = torch.where(b == 0, info.tiny * info.eps, ulp)
+    return ((a - b).abs() <= ulp).all()
+
+
+def _probe_direct_layer_norm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run ``layer_norm`` both ways on seeded data on ``device``: the island's (an fp32 copy
+    of the input, the output rounded to ``dtype``) and directly (the ``dtype`` input with the
+    fp32 weights). True where the direct call is accepted, returns ``dtype`` outputs and
+    input gradients within one ulp of the island's, and fp32 weight and bias gradients
+    within fp32 rounding (1e-5 of the largest) of the island's. One host sync."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (_PROBE_ROWS, _PROBE_WIDTH)
+    x = (torch.randn(shape, generator=gen) * 3 + 1).to(device, dtype)
+    dy = torch.randn(shape, generator=gen).to(device, dtype)
+    w0 = (torch.randn(_PROBE_WIDTH, generator=gen) * 0.5 + 1).to(device)
+    b0 = torch.randn(_PROBE_WIDTH, generator=gen).to(device)
+
+    def run(direct: bool):
+        xi = x.detach().clone().requires_grad_()
+        w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = F.layer_norm(xi if direct else xi.float(), (_PROBE_WIDTH,), w, b).to(dtype)
+        y.backward(dy)
+        return y, xi.grad, w.grad, b.grad
+
+    with torch.inference_mode(False), torch.enable_grad():
+        ref = run(direct=False)
+        try:
+            got = run(direct=True)
+        except RuntimeError:  # a kernel that reads the weights in the input's dtype
+            return False
+        if [t.dtype for t in got] != [dtype, dtype, torch.float32, torch.float32]:
+            return False
+        checks = [within_one_ulp(got[0], ref[0], dtype), within_one_ulp(got[1], ref[1], dtype)]
+        for g, r in zip(got[2:], ref[2:]):
+            checks.append(((g - r).abs().max() <= 1e-5 * r.abs().max()))
+        return bool(torch.stack(checks).all())
+
+
+def direct_half_layer_norm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a ``LayerNorm`` island on ``device`` calls ``layer_norm`` on its ``dtype``
+    input with the fp32 weights directly, without the casts: torch's kernel there must give
+    the island's results (:func:`_probe_direct_layer_norm`, run once per device type and
+    dtype; never while ``torch.compile`` traces)."""
+    key = (torch.device(device).type, dtype)
+    known = _DIRECT_NORM.get(key)
+    if known is None:
+        if torch.compiler.is_compiling():
+            return False
+        known = _DIRECT_NORM[key] = _probe_direct_layer_norm(torch.device(device), dtype)
+    return known
+
+
 class _Fp32IslandMixin:
     """Mixed into a module's class: fp32 params, fp32 forward."""
 
@@ -85,11 +162,16 @@ class _Fp32IslandMixin:
     #: dtype the rest of the model was cast to (None while it is fp32); the
     #: output takes it when no input tells (e.g. an embedding's token ids).
     _island_model_dtype = None
+    #: torch's own LayerNorm.forward: one layer_norm call, which may take the half input
+    _direct_layer_norm = False
 
     def forward(self, *args, **kwargs):
         dtype = _first_half_dtype(args, kwargs) or self._island_model_dtype
         if dtype is None:
             return super().forward(*args, **kwargs)
+        if (self._direct_layer_norm and len(args) == 1 and not kwargs
+                and args[0].dtype == dtype and direct_half_layer_norm(args[0].device, dtype)):
+            return super().forward(*args)  # statistics and affine in fp32, the output in dtype
         out = super().forward(*_to_fp32(args), **{k: _to_fp32(v) for k, v in kwargs.items()})
         return _to_dtype(out, dtype)
 
@@ -134,7 +216,8 @@ def keep_in_fp32(module: nn.Module) -> nn.Module:
     cls = module.__class__
     island = _island_classes.get(cls)
     if island is None:
-        island = type(f"Fp32{cls.__name__}", (_Fp32IslandMixin, cls), {})
+        direct = issubclass(cls, nn.LayerNorm) and cls.forward is nn.LayerNorm.forward
+        island = type(f"Fp32{cls.__name__}", (_Fp32IslandMixin, cls), {"_direct_layer_norm": direct})
         island.__module__ = cls.__module__
         _island_classes[cls] = island
     module.__class__ = island

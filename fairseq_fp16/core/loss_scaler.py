@@ -149,6 +149,14 @@ class LossScaler:
         # exact: the scale moves as torch's GradScaler moves it, in its one fused kernel
         self._fusable = (dynamic and self.tolerance <= 0 and self.hysteresis == 1
                          and self.threshold is None and math.frexp(self.scale_factor)[0] == 0.5)
+        self._ceiling = self._needs_ceiling(self.init_scale)
+
+    def _needs_ceiling(self, scale: float) -> bool:
+        """Whether the fused update must clamp a growth to :attr:`max_scale`: where there is
+        one below 2**127, or where the scale is not a power of two. A power of two times a
+        power-of-two factor stays one, and is at most 2**127 or inf, which torch's fused
+        update refuses: the ceiling of 2**127 holds without the two launches."""
+        return self.max_scale < 2.0**127 or math.frexp(scale)[0] != 0.5
 
     # ------------------------------------------------------------------ hot path
     @property
@@ -203,14 +211,16 @@ class LossScaler:
         self._hysteresis_left.masked_fill_(grow, self.hysteresis)
 
     def _fused_update(self, found: torch.Tensor, overflow: torch.Tensor) -> None:
-        """:meth:`update` in 13 kernel launches rather than 34: an update on a fast GPU is
-        bound by the host's launches. Every overflow backs off here, so the counters of
-        the tolerance and the hysteresis follow from whether the scale was rescaled."""
+        """:meth:`update` in 11 kernel launches (13 with a ceiling) rather than 34: an update
+        on a fast GPU is bound by the host's launches. Every overflow backs off here, so the
+        counters of the tolerance and the hysteresis follow from whether the scale was
+        rescaled."""
         self._prev_scale.copy_(self._scale)
         torch._amp_update_scale_(self._scale, self._clean_steps, found, self.scale_factor,
                                  1.0 / self.scale_factor, self.scale_window)
-        # the ceiling (GradScaler has none): a growth stops at max_scale, or where it started
-        torch.minimum(self._scale, self._prev_scale.clamp(min=self.max_scale), out=self._scale)
+        if self._ceiling:
+            # the ceiling (GradScaler has none): a growth stops at max_scale, or where it started
+            torch.minimum(self._scale, self._prev_scale.clamp(min=self.max_scale), out=self._scale)
         rescaled = self._clean_steps == 0  # a back-off or a growth restarts the count
         self._steps_since_rescale.masked_fill_(rescaled, 0)
         self._overflows_since_rescale.masked_fill_(overflow, 0)
@@ -285,6 +295,7 @@ class LossScaler:
         self._num_updates.fill_(int(state.get("num_updates", 0)))
         if self.dynamic and state.get("dynamic", True):
             self._scale.fill_(float(state["scale"]))
+            self._ceiling = self._needs_ceiling(float(state["scale"]))
             self._prev_scale.fill_(float(state.get("prev_scale", state["scale"])))
             # a checkpoint of another window (--fp16-scale-window, --update-freq changed on
             # resume) counts on from its last overflow, as a window changed in the run does

@@ -5,7 +5,9 @@ operator from Python, and by the memory traffic of the elementwise work; neither
 count. :class:`OpCensus` is a ``TorchDispatchMode`` that sees every operator after autograd, as
 the device would receive it, and counts per operator:
 
-* launches: operators that run a kernel (views, allocations and ``detach`` do not);
+* launches: operators that run a kernel (views, allocations and ``detach`` do not); a
+  multi-tensor ``_foreach_*`` operator one, or one a tensor where torch's CUDA backend
+  would take its slow path (:func:`foreach_launches`);
 * bytes: every tensor argument read once and every output written once (an in-place
   operator reads and writes its tensor; ``copy_`` reads the source and writes the
   destination; a gather, scatter or index_select touches its index's elements and rows, not
@@ -31,8 +33,10 @@ the half products they replace.
 
 ``scripts/run_stats.py --census-updates FIRST:COUNT CENSUS.json`` takes the census of COUNT
 steady-state updates of a ``fairseq-train`` run from update FIRST on;
-``scripts/op_census.py`` compares modes; its JSON records the ``provenance`` of the code and
-software counted (fairseq_fp16_tools/provenance.py).
+``scripts/op_census.py`` compares modes, counting every update from FIRST on by kind (applied,
+skipped for overflow, and either with the non-finite watch armed: :class:`UpdatesByKind`)
+until COUNT have applied; its JSON records the ``provenance`` of the code and software
+counted (fairseq_fp16_tools/provenance.py).
 """
 
 import argparse
@@ -51,11 +55,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..paths import ROOT, script
+from fairseq_fp16.core.diagnostics import is_dense
+
+from ..paths import ROOT
 from ..provenance import describe
 from .fairseq_train import ENV, MODEL, MODES, STOCK, parse_modes, plugin_args
+from .run_stats import _UpdateWindow
 
-__all__ = ["CLASSES", "OpCensus", "classify_op", "diff_table", "table"]
+__all__ = ["CLASSES", "KINDS", "OpCensus", "UpdatesByKind", "census_worker", "classify_op", "diff_table",
+           "foreach_launches", "run_census", "table"]
 
 #: operator classes by aten name, tried in order; the last takes the rest
 CLASSES: List[Tuple[str, str]] = [
@@ -80,6 +88,39 @@ PHASES = ("forward", "backward", "step")
 #: embedding) their index names
 INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "index_select",
            "embedding"}
+
+
+#: norm orders torch's CUDA ``_foreach_norm`` runs as one multi-tensor launch (order 0 joined
+#: them in 2026, pytorch/pytorch#179869, after the H200's torch 2.11: counted one a tensor)
+FOREACH_NORM_ORDERS = (1, 2, float("inf"))
+
+
+def _tensor_lists(args) -> List[List[torch.Tensor]]:
+    return [list(a) for a in args if isinstance(a, (list, tuple)) and a
+            and all(isinstance(t, torch.Tensor) for t in a)]
+
+
+def foreach_launches(name: str, args, kwargs) -> int:
+    """Kernels of a ``_foreach_*`` operator as torch's CUDA backend runs it: one on its fast
+    path, one a tensor on its slow path, which it takes where the lists hold tensors of
+    several devices or dtypes (a copy may change the dtype), one that is not dense (a
+    slice), tensors of other sizes or strides at the same position of two lists, or, for
+    ``_foreach_norm``, an order other than 1, 2 or inf (``ForeachUtils.h``,
+    ``ForeachReduceOp.cu``). The CPU runs them one by one anyhow."""
+    lists = _tensor_lists(args)
+    if not lists:
+        return 1
+    n = len(lists[0])
+    tensors = [t for tl in lists for t in tl]
+    slow = (len({t.device for t in tensors}) > 1
+            or (name != "_foreach_copy_" and len({t.dtype for t in tensors}) > 1)
+            or not all(t.layout == torch.strided and is_dense(t) for t in tensors)
+            or any(len(tl) != n or any(a.shape != b.shape or a.stride() != b.stride()
+                                       for a, b in zip(lists[0], tl)) for tl in lists[1:]))
+    if name == "_foreach_norm":
+        order = kwargs.get("ord", args[1] if len(args) > 1 else 2)
+        slow = slow or float(order) not in FOREACH_NORM_ORDERS or tensors[0].is_complex()
+    return n if slow else 1
 
 
 def op_name(func) -> str:
@@ -186,9 +227,20 @@ class OpCensus(TorchDispatchMode):
             ins = tree_flatten((args, {k: v for k, v in kwargs.items() if k != "out"}))[0]
             moved = _nbytes(ins) + _nbytes(tree_flatten(out)[0])
         entry = self.ops[(name, phase)]
-        entry[0] += 1
+        entry[0] += foreach_launches(name, args, kwargs) if name.startswith("_foreach_") else 1
         entry[1] += moved
         return out
+
+    def merge(self, other: "OpCensus") -> None:
+        """Add ``other``'s counts to these."""
+        for key, (n, b) in other.ops.items():
+            entry = self.ops[key]
+            entry[0] += n
+            entry[1] += b
+        for name, n in other.syncs.items():
+            self.syncs[name] += n
+        for site, n in other.sync_sites.items():
+            self.sync_sites[site] += n
 
     def summary(self, updates: int) -> Dict:
         """Per update: launches, MB moved and syncs in all, by class, by phase and by operator
@@ -224,7 +276,8 @@ class OpCensus(TorchDispatchMode):
 
 
 def table(census: Dict[str, Dict]) -> str:
-    """One line per run: launches, MB and syncs per update, then launches/MB by class."""
+    """One line per run: launches, MB and syncs per applied update, then launches/MB by
+    class; below it, a line for each other kind of update counted (:data:`KINDS`)."""
     classes = [k for k, _ in CLASSES]
     head = f"{'run':18s} {'launch':>7s} {'MB':>9s} {'syncs':>6s}  " + "  ".join(
         f"{c[:15]:>15s}" for c in classes)
@@ -233,9 +286,12 @@ def table(census: Dict[str, Dict]) -> str:
         if "error" in c:
             lines.append(f"{name:18s} census failed: {c['error']}")
             continue
-        cells = "  ".join(f"{c['by_class'][k]['launches']:6.0f}/{c['by_class'][k]['mb']:8.1f}"
-                          for k in classes)
-        lines.append(f"{name:18s} {c['launches']:7.0f} {c['mb']:9.1f} {c['syncs']:6.1f}  {cells}")
+        runs = [(name, c)] + [(f"  {kind}", k) for kind, k in c.get("kinds", {}).items()
+                              if kind != "applied"]
+        for label, r in runs:
+            cells = "  ".join(f"{r['by_class'][k]['launches']:6.0f}/{r['by_class'][k]['mb']:8.1f}"
+                              for k in classes)
+            lines.append(f"{label:18s} {r['launches']:7.0f} {r['mb']:9.1f} {r['syncs']:6.1f}  {cells}")
     return "\n".join(lines)
 
 
@@ -260,10 +316,98 @@ AS_ON_CUDA = {"--half-matmul": "native", "--attention-path": "torch", "--cpu-len
               "--fused-loss": "stream"}
 
 
+#: what an update was: applied or skipped for overflow, and whether it began with the
+#: plugin's non-finite watch armed (the update after an overflow)
+KINDS = ("applied", "overflowed", "armed_applied", "armed_overflowed")
+
+
+class UpdatesByKind(_UpdateWindow):
+    """The census of every ``train_step`` call from call ``first`` on, one :class:`OpCensus`
+    per update, added up by kind (:data:`KINDS`), until ``count`` applied updates are counted;
+    then the summary goes to ``out_path`` as JSON: the applied updates' (the steady state, as
+    :class:`.run_stats.UpdateCensus` takes it), ``armed_updates_skipped``, and ``kinds``, each
+    kind's summary. Every update runs under a census, counted or not, so that a CPU half run's
+    products run in fp32 throughout."""
+
+    FLAG = "--updates"
+
+    def __init__(self, first: int, count: int, out_path: str, name: str = "") -> None:
+        super().__init__(first, count, out_path, name)
+        self.kinds: Dict[str, OpCensus] = {}
+        self.updates: Dict[str, int] = defaultdict(int)
+
+    def wrap(self, trainer, step):
+        def train_step(*args, **kwargs):
+            self.calls += 1
+            census = OpCensus(fp32_products=True)
+            census.counting = self.calls >= self.first and self.summary is None
+            optimizer = trainer.optimizer
+            watch = getattr(optimizer, "watch", None)
+            armed = watch is not None and watch.armed
+            skipped = getattr(optimizer, "num_skipped", 0)
+            own_step = vars(optimizer).get("step")  # an instance's own step, put back after
+            opt_step = optimizer.step
+
+            def marked_step(*a, **k):
+                census.in_step = True
+                try:
+                    return opt_step(*a, **k)
+                finally:
+                    census.in_step = False
+
+            optimizer.step = marked_step
+            try:
+                with census:
+                    return step(*args, **kwargs)
+            finally:
+                if own_step is None:
+                    del optimizer.step  # the class's method again
+                else:
+                    optimizer.step = own_step
+                if census.counting:
+                    overflowed = getattr(optimizer, "num_skipped", 0) > skipped
+                    kind = ("armed_" if armed else "") + ("overflowed" if overflowed else "applied")
+                    self.kinds.setdefault(kind, OpCensus()).merge(census)
+                    self.updates[kind] += 1
+                    if self.updates["applied"] == self.count:
+                        self.finish()
+
+        return train_step
+
+    def finish(self) -> None:
+        """Write the summary of the updates counted so far (once)."""
+        if self.summary is not None or not self.updates.get("applied"):
+            return
+        kinds = {k: self.kinds[k].summary(self.updates[k]) for k in KINDS if self.updates.get(k)}
+        self.summary = {"name": self.name, "first_update": self.first,
+                        "armed_updates_skipped": self.updates["armed_applied"]
+                        + self.updates["armed_overflowed"],
+                        **kinds["applied"], "kinds": kinds}
+        with open(self.out_path, "w") as f:
+            json.dump(self.summary, f)
+
+
+def census_worker(argv=None) -> int:
+    """``FIRST:COUNT OUT.json fairseq-train ARGS...``: :class:`UpdatesByKind` over a
+    ``fairseq-train`` run in this process (what :func:`run_census` starts)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first, count = (int(x) for x in argv[0].split(":"))
+    window = UpdatesByKind(first, count, argv[1], name=Path(argv[1]).stem)
+    import fairseq_cli.train as train_module
+
+    window.install(train_module)
+    sys.argv = [argv[2], *argv[3:]]
+    try:
+        train_module.cli_main()
+    finally:
+        window.finish()
+    return 0
+
+
 def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> Dict:
-    """The census of ``count`` updates from update ``first`` on of a CPU fairseq-train run of
-    ``mode`` (a mode of :mod:`.fairseq_train`), with the operators a CUDA run would launch
-    (updates after an overflow are passed over: :class:`.run_stats.UpdateCensus`)."""
+    """The census of a CPU fairseq-train run of ``mode`` (a mode of :mod:`.fairseq_train`),
+    with the operators a CUDA run would launch: every update from ``first`` on, by kind
+    (:class:`UpdatesByKind`), until ``count`` applied updates are counted."""
     flags = list(MODES[mode])
     if mode not in STOCK and ("--fp16" in flags or "--bf16" in flags):
         for flag, value in AS_ON_CUDA.items():
@@ -271,13 +415,15 @@ def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> D
                 flags += [flag, value]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / f"{mode}.json"
-        cmd = [sys.executable, script("run_stats.py"), "--census-updates", f"{first}:{count}",
-               str(out_path), str(Path(tmp) / "stats.json"), "fairseq-train", str(data),
+        cmd = [sys.executable, "-c", "import sys; from fairseq_fp16_tools.bench.op_census import "
+               "census_worker; sys.exit(census_worker())", f"{first}:{count}", str(out_path),
+               "fairseq-train", str(data),
                *plugin_args(mode), "--lr", "1e-3", *shlex.split(model),
-               "--max-update", str(first + count + 4), "--no-save", "--disable-validation",
+               "--max-update", str(first + count), "--no-save", "--disable-validation",
                "--seed", "1", "--cpu", "--log-format", "simple", *flags]
-        run = subprocess.run(cmd, capture_output=True, text=True,
-                             env={**os.environ, **ENV.get(mode, {})})
+        env = {**os.environ, **ENV.get(mode, {})}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if run.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"fairseq-train ({mode}) failed:\n{run.stderr[-3000:]}")
         census = json.loads(out_path.read_text())
@@ -294,7 +440,8 @@ def main(argv=None) -> int:
                     help="modes of scripts/bench_fairseq_train.py (not fp16-stock: stock "
                     "fairseq --fp16 needs CUDA)")
     ap.add_argument("--model", default=MODEL, help="fairseq-train's model and batch flags")
-    ap.add_argument("--updates", default="3:2", help="FIRST:COUNT updates counted")
+    ap.add_argument("--updates", default="3:2", help="FIRST:COUNT: every update from FIRST on "
+                    "is counted, by kind, until COUNT have applied")
     a = ap.parse_args(argv)
     modes = parse_modes(ap, a.modes)
     try:
@@ -322,5 +469,9 @@ def main(argv=None) -> int:
     for mode in modes[1:]:
         if "error" not in results[base] and "error" not in results[mode]:
             print(f"\n{mode} against {base}:\n" + diff_table(results[base], results[mode]))
+    for mode, c in results.items():
+        for kind, k in c.get("kinds", {}).items():
+            if kind != "applied":
+                print(f"\n{mode}, {kind} update against an applied one:\n" + diff_table(c, k))
     print(json.dumps({"model": a.model, "updates": a.updates, "census": results, "provenance": describe()}))
     return 0

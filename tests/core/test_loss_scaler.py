@@ -157,3 +157,20 @@ def test_parse_loss_scale_refuses_naming_the_flag(value):
 def test_hysteresis_zero_refused():
     with pytest.raises(ValueError, match=r"--loss-scale-hysteresis must be >= 1"):
         LossScaler(hysteresis=0)
+
+
+@pytest.mark.parametrize("init,max_scale,expected", [
+    (8.0, None, 11),  # a power of two: torch's fused update refuses a growth to inf, no ceiling
+    (100.0, None, 13),  # another scale is clamped at 2**127 (two launches)
+    (8.0, 2.0**24, 13),  # bf16's ceiling
+])
+def test_the_fused_update_clamps_only_a_scale_that_could_pass_its_ceiling(init, max_scale, expected):
+    scaler = LossScaler(init, max_scale=max_scale)
+    with OpCensus() as census:
+        scaler.update(OVERFLOW)
+    assert census.summary(1)["launches"] == expected
+    resumed = LossScaler(8.0)
+    resumed.load_state_dict(dict(LossScaler(100.0).state_dict()))  # a checkpoint's scale decides
+    with OpCensus() as census:
+        resumed.update(CLEAN)
+    assert census.summary(1)["launches"] == 13
