@@ -370,6 +370,13 @@ def scale_trace_rows(data: Sequence[list], paths: Sequence[str]) -> str:
     return md_table(["scale trace", ""], rows)
 
 
+def length_bucket_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bucket_stats.py on each corpus: batch shapes and padding, fairseq's and bucketed."""
+    from .bucket_stats import table
+
+    return table(list(data))
+
+
 def machine_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     (d,) = data
     rows = [[f"`{name}`", m["hardware"], m["half_units"], m["half_matmul_auto"], m["software"]]
@@ -564,6 +571,10 @@ TABLES: Dict[str, Table] = {
     "master-grads": Table(tuple(f"{BENCH}/avx512-epyc/master-grads/{n}.json" for n in ("before", "after")),
                           "python scripts/bench_fairseq_train.py data/debian-ende/bin --modes fp32,fp16,bf16 "
                           "--updates 10 (before and after the change)", before_after_rows),
+    "length-buckets": Table(tuple(f"{BENCH}/amx-xeon/length_buckets/{n}.json"
+                                  for n in ("debian_demo", "debian_all", "wmt_like", "wide")),
+                            "python scripts/bucket_stats.py DATA_BIN --max-tokens 1024,4096,16384 --name NAME",
+                            length_bucket_rows),
 }
 
 

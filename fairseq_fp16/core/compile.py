@@ -27,13 +27,19 @@ an operator census) the module's own forward runs: torch.compile compiles no fra
 and would run the frame eagerly from then on. So it does while something holds the modules to
 their own forward (:func:`hold_eager`): the non-finite watch's forward hooks, which a compiled
 graph would be guarded on, each arming's new hooks a recompile.
+
+With ``mode="reduce-overhead"`` (``--cuda-graphs``) the compiled code runs as CUDA graphs
+(torch's cudagraph trees): a graph is recorded for each new input shape and replayed after,
+launching a layer's kernels at once instead of one by one from Python. The code is still
+compiled once for all shapes; the graphs are per shape, so they need batches of few shapes
+(:mod:`.buckets`). Off CUDA torch skips the graphs and the layers run compiled.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -49,13 +55,13 @@ _eager_holders: "weakref.WeakSet[object]" = weakref.WeakSet()
 
 
 def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool = True,
-                             backend="inductor") -> int:
+                             backend="inductor", mode: Optional[str] = None) -> int:
     """Replace each module's ``forward`` by one that runs a compiled forward in training mode.
 
     Modules of one class share the compiled code (torch treats their parameters as inputs);
     ``dynamic`` compiles for varying batch and sequence sizes up front rather than after the
-    first recompile; ``backend`` is ``torch.compile``'s. Idempotent. Returns how many modules
-    were wrapped.
+    first recompile; ``backend`` and ``mode`` are ``torch.compile``'s (``"reduce-overhead"``:
+    CUDA graphs, see the module docstring). Idempotent. Returns how many modules were wrapped.
     """
     import torch._dynamo
 
@@ -66,7 +72,7 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
         if is_compiled(module):
             continue
         eager = module.forward
-        compiled = torch.compile(eager, dynamic=dynamic, backend=backend)
+        compiled = torch.compile(eager, dynamic=dynamic, backend=backend, mode=mode)
 
         @functools.wraps(eager)
         def forward(*args, _eager=eager, _compiled=compiled, _module=module, **kwargs):

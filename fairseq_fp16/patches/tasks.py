@@ -12,6 +12,7 @@ plugin loaded:
 * ``train_step`` / ``valid_step`` / ``inference_step``: the CPU matrix-product mode
   (``--half-matmul``), the first steps' count of half products left on native kernels, and
   ``--precision-divergence-interval``;
+* ``get_batch_iterator``: ``--length-buckets`` (the training set's batches in a few shapes);
 * ``build_generator``: ``--bf16`` generation casts the models to bf16 (stock fairseq-generate
   casts only for ``--fp16``), and the n-gram blocker that blocks nothing off CUDA is replaced.
 
@@ -33,6 +34,7 @@ import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
+from ..core.buckets import BucketedBatching, parse_length_buckets
 from ..core.compile import compile_training_forward
 from ..core.divergence import forward_divergence, summarize_divergence
 from ..core.fp32_islands import apply_fp32_islands
@@ -169,9 +171,12 @@ def prepare_model(task, model):
         if not layers:
             raise ValueError(f"--compile-layers: {type(model).__name__} has no transformer "
                              "encoder or decoder layers to compile")
-        compile_training_forward(layers)
+        graphs = bool(_flag(task, "cuda_graphs", False))
+        compile_training_forward(layers, mode="reduce-overhead" if graphs else None)
         logger.info("--compile-layers: the training forward of %d transformer layers is "
-                    "compiled (torch.compile, dynamic shapes)", len(layers))
+                    "compiled (torch.compile, dynamic shapes%s)", len(layers), "" if not graphs
+                    else "; --cuda-graphs: no CUDA graphs on the CPU" if precision.on_cpu
+                    else "; run as CUDA graphs, one recorded per batch shape (--cuda-graphs)")
     return model
 
 
@@ -311,6 +316,16 @@ def _build_generator(self, models, args, *rest, **kwargs):
 SEED_POSITION = 5
 
 
+def _get_batch_iterator(self, dataset, *args, **kwargs):
+    """fairseq's batch iterator; with ``--length-buckets`` the training set batches and collates
+    in bucket shapes (:class:`~fairseq_fp16.core.buckets.BucketedBatching`)."""
+    choice = parse_length_buckets(_flag(self, "length_buckets", "off"))
+    datasets = getattr(self, "datasets", None) or {}
+    if choice is not None and dataset is datasets.get(_flag(self, "train_subset", "train")):
+        BucketedBatching.install(dataset, choice)
+    return _original(f"{BASE}.get_batch_iterator")(self, dataset, *args, **kwargs)
+
+
 def _seed_position(fn) -> Optional[str]:
     names = list(inspect.signature(fn).parameters)[2:]  # after self, dataset
     if len(names) <= SEED_POSITION or names[SEED_POSITION] != "seed":
@@ -353,16 +368,21 @@ PATCHES = [
     Patch("fairseq.ngram_repeat_block:NGramRepeatBlock.__init__", group="repair",
           expects=["self.use_extension = is_cuda_extension_usable() if use_extension else False"],
           why="relied on: use_extension says whether fairseq's blocker runs its CUDA kernel"),
-    Patch(f"{BASE}.get_batch_iterator", group="repair",
-          expects=["with data_utils.numpy_seed(seed + epoch):", "indices = dataset.ordered_indices()"],
+    Patch(f"{BASE}.get_batch_iterator", group="precision", replacement=_get_batch_iterator,
+          expects=["with data_utils.numpy_seed(seed + epoch):", "indices = dataset.ordered_indices()",
+                   "batches = dataset.batch_by_size(", "collate_fn=dataset.collater,"],
           condition=lambda fn: _seed_position(fn),
-          why="relied on: translation_fp16 orders examples with the epoch-1 seed (resumed runs "
-              "see the batches an uninterrupted run saw) by wrapping dataset.ordered_indices "
-              "around this call, and reads the seed as its 6th argument after the dataset"),
+          why="with --length-buckets the training set's batch_by_size and collater, which this "
+              "calls, are replaced on the dataset by bucketed ones (batches of a few fixed shapes "
+              "for CUDA graphs); relied on: translation_fp16 orders examples with the epoch-1 seed "
+              "(resumed runs see the batches an uninterrupted run saw) by wrapping "
+              "dataset.ordered_indices around this call, and reads the seed as its 6th argument "
+              "after the dataset"),
     Patch("fairseq.data.language_pair_dataset:LanguagePairDataset.collater", group="precision",
-          expects=["pad_to_multiple=self.pad_to_multiple"],
+          expects=["pad_to_multiple=self.pad_to_multiple", "pad_to_length=pad_to_length,"],
           why="relied on: --cpu-length-multiple sets the dataset's pad_to_multiple, which its "
-              "collater pads batch lengths to"),
+              "collater pads batch lengths to; --length-buckets pads to a bucket's lengths through "
+              "its pad_to_length"),
     Patch("fairseq.modules.multihead_attention:MultiheadAttention.forward", group="precision",
           expects=["and not self.skip_embed_dim_check", "F.multi_head_attention_forward("],
           why="relied on: _set_skip_embed_dim_check() sends a layer down fairseq's own attention "

@@ -7,8 +7,8 @@ translation data:
 
 * the flags: loss scaling (``--loss-scale``, ``--loss-scale-hysteresis``,
   ``--max-consecutive-overflows``), ``--fp32-modules``, ``--half-matmul``, ``--fused-loss``,
-  ``--attention-path``, ``--compile-layers`` and the diagnostics (``--scale-trace``,
-  ``--precision-stats-interval``/``--precision-stats``,
+  ``--attention-path``, ``--compile-layers``, ``--length-buckets``, ``--cuda-graphs`` and the
+  diagnostics (``--scale-trace``, ``--precision-stats-interval``/``--precision-stats``,
   ``--precision-divergence-interval``/``--precision-divergence``), validated before any data
   is read;
 * ``--cpu-length-multiple`` and ``--cpu-kernel-cache``: CPU half runs on native kernels pad
@@ -41,6 +41,7 @@ from ..core.cpu_kernel_cache import (
     resolve_kernel_cache,
     resolve_length_multiple,
 )
+from ..core.buckets import parse_length_buckets
 from ..core.half_matmul import HALF_MATMUL_CHOICES
 from ..core.loss_scaler import parse_loss_scale
 from ..fused_criterion import FUSED_LOSS_CHOICES
@@ -142,6 +143,26 @@ class TranslationFP16Config(TranslationConfig):
             "first updates pay the compile time; validation and generation run eagerly"
         },
     )
+    length_buckets: str = field(
+        default="off",
+        metadata={
+            "help": "training batches in at most N shapes (auto: the count of 1 to 16 that pads "
+            "least): source and target lengths padded up to buckets fitted to the training data, "
+            "and the sentences per batch fixed per bucket (at most --max-tokens // the bucket's "
+            "longer side, spread evenly over its batches; places left over hold padding "
+            "sentences, which add no loss and no gradient). What --cuda-graphs needs; off: "
+            "fairseq's batches"
+        },
+    )
+    cuda_graphs: bool = field(
+        default=False,
+        metadata={
+            "help": "run the compiled layers (--compile-layers) as CUDA graphs (torch.compile's "
+            "reduce-overhead mode): a graph recorded for each batch shape and replayed, a layer's "
+            "kernels launched at once. Needs --length-buckets; off CUDA the layers run compiled "
+            "without graphs"
+        },
+    )
     scale_trace: Optional[str] = field(
         default=None,
         metadata={"help": "JSONL file: one line per update (scale, overflow, skipped, grad norm, "
@@ -207,6 +228,7 @@ def validate_precision_flags(cfg) -> None:
     resolve_length_multiple(cfg.cpu_length_multiple, None, native=False)
     resolve_attention_path(str(getattr(cfg, "attention_path", "auto")), False, False)
     resolve_kernel_cache(cfg.cpu_kernel_cache, 1)
+    _validate_batch_shape_flags(cfg)
     if getattr(cfg, "bf16", False) and scale:
         logger.warning(
             "--loss-scale %s with --bf16: bf16 has fp32's exponent range and needs no "
@@ -239,6 +261,21 @@ def _validate_loss_scale_flags(cfg) -> None:
         raise ValueError("--fp16-scale-window must be an integer >= 1 (clean updates before the "
                          "dynamic loss scale grows; unset: 2**14 / (world size x update-freq)), "
                          f"got {window!r}")
+
+
+def _validate_batch_shape_flags(cfg) -> None:
+    """``--length-buckets`` and ``--cuda-graphs``, which needs it and ``--compile-layers``."""
+    buckets = parse_length_buckets(_flag(cfg, "length_buckets", "off"))
+    if buckets is not None and int(_flag(cfg, "num_batch_buckets", 0) or 0) > 0:
+        raise ValueError("--length-buckets and fairseq's --num-batch-buckets both pad lengths to "
+                         "buckets; pass one of them")
+    if _flag(cfg, "cuda_graphs", False):
+        if not _flag(cfg, "compile_layers", False):
+            raise ValueError("--cuda-graphs runs the compiled layers as CUDA graphs; add "
+                             "--compile-layers")
+        if buckets is None:
+            raise ValueError("--cuda-graphs needs --length-buckets N or auto: a graph is recorded "
+                             "for each batch shape, and fairseq's own batches come in hundreds")
 
 
 #: each diagnostics file flag and the interval flag that turns it on (None: the file alone does)
