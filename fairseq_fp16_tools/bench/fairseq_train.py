@@ -18,8 +18,8 @@ device), fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq
 fairseq's own attention, the CPU default), fp16-compiled / bf16-compiled
 (--compile-layers, which compiles the fused loss too), fp16-workers4
 (--num-workers 4: four batch-loading processes instead of fairseq's one), fp16-buckets
-(--length-buckets auto: batches of at most 16 shapes) and fp16-graphs (those batches, with
-the compiled layers run as CUDA graphs: --compile-layers --cuda-graphs).
+(--length-buckets auto: batches of at most 16 shapes) and fp16-graphs / bf16-graphs (those
+batches, with the compiled layers run as CUDA graphs: --compile-layers --cuda-graphs).
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
 CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for --warmup
 updates and then --updates timed ones, without validation or checkpoints. fp16's loss
@@ -99,6 +99,7 @@ MODES = {
     # batches of a few fixed shapes (--length-buckets), eager and as CUDA graphs of the compiled layers
     "fp16-buckets": ["--fp16", "--length-buckets", "auto"],
     "fp16-graphs": ["--fp16", "--compile-layers", "--cuda-graphs", "--length-buckets", "auto"],
+    "bf16-graphs": ["--bf16", "--compile-layers", "--cuda-graphs", "--length-buckets", "auto"],
 }
 STOCK = {"fp16-stock"}
 LOG_INTERVAL = 5  # fairseq's --log-interval in every run: the intervals the figures come from

@@ -87,12 +87,13 @@ else
   if [ $rc = 0 ]; then staged=ok; else
     staged="no fairseq"; echo "staging failed: run scripts/gpu/prepare.sh here and carry .whl"
   fi
-  device=(--cuda); cpu=(); opt_device=cuda; params=1e6,1e7,1e8; batches=(16384 32768); updates=30; warmup=10
+  # a warm-up of 30: a graphs mode records a CUDA graph on a shape's second batch (16 shapes)
+  device=(--cuda); cpu=(); opt_device=cuda; params=1e6,1e7,1e8; batches=(16384 32768); updates=30; warmup=30
   # the precisions and the A/B of the fixes at the first size (most wanted first: a mode not
   # started by the deadline is skipped); the fast modes again at the second
-  modes_a=${MODES_A-tf32,fp16,fp16-compiled,bf16,fp32,fp16-stock,fp16-loss-compiled,fp16-cache}
-  modes_b=${MODES_B-tf32,fp16-compiled,fp16,bf16}
-  mode_timeout=${MODE_TIMEOUT:-120,fp16-compiled=240,bf16-compiled=240,fp16-loss-compiled=180}
+  modes_a=${MODES_A-tf32,fp16,fp16-graphs,bf16-graphs,fp16-compiled,fp32,fp16-stock,bf16,fp16-buckets}
+  modes_b=${MODES_B-tf32,fp16-graphs,fp16,bf16-graphs,fp16-compiled}
+  mode_timeout=${MODE_TIMEOUT:-120,fp16-compiled=240,fp16-graphs=300,bf16-graphs=300}
   data=${DATA:-data/gpu-bench/bin}
   # transformer base (Vaswani et al.): 6+6 layers, d=512, ffn 2048, 8 heads
   model="--arch transformer --share-all-embeddings --dropout 0.1"
