@@ -23,6 +23,7 @@ parameters whose gradients overflowed. The opt-in traces are :mod:`.traces`.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Dict, Optional
 
@@ -341,8 +342,8 @@ class _MasterWeights:
         if aggregate_norm_fn is not None:
             grad_norm = aggregate_norm_fn(grad_norm)
         # The trainer reads grad_norm right after this call; the overflow test
-        # here is that same host sync, not an extra one.
-        overflow = not bool(torch.isfinite(grad_norm))
+        # here is that same host sync, not an extra one (tested on the host: no kernel).
+        overflow = not math.isfinite(float(grad_norm))
         diag = self.diagnostics
         if diag is not None:
             diag.begin_update()
