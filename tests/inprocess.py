@@ -11,6 +11,7 @@ from fairseq import checkpoint_utils, options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_cli import train as train_cli
 
+from fairseq_fp16 import precision, run_info
 from fairseq_fp16.patches import REGISTRY
 
 
@@ -44,11 +45,26 @@ def _on_load(hook: Optional[Callable]):
         checkpoint_utils.load_checkpoint = load
 
 
+@contextlib.contextmanager
+def _run_state_restored():
+    """The plugin's record of the run (its precision, SAVE_DIR/run_info.json) as before: a later
+    task built in this process reads them."""
+    before, info, path = precision.current(), run_info.recorded(), run_info._PATH
+    try:
+        yield
+    finally:
+        precision.set_current(before)
+        run_info._INFO.clear()
+        run_info._INFO.update(info)
+        run_info._PATH = path
+
+
 def fairseq_train(args: Sequence[str], stock: bool = False, on_load: Optional[Callable] = None) -> None:
     """``fairseq-train ARGS`` in this process; ``stock``: without the plugin's patches (ARGS then
     name no --user-dir); ``on_load(trainer, extra_state)`` runs once the checkpoint (if any) is
     loaded, before the first update."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_run_state_restored())
         if stock:
             stack.enter_context(_stock_fairseq())
         stack.enter_context(_on_load(on_load))

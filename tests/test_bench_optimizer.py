@@ -10,5 +10,5 @@ def test_fixed_cost_counts_the_launches_and_times_torch_step_in_the_same_run():
     assert (out["tensors"], out["params"]) == (20, 80)
     # the norm and overflow check, the gradient copy, the fused AdamW, the weights copied back and
     # the scaler's update: the launches do not grow with the tensors (foreach kernels take lists)
-    assert out["launches"] == 32
+    assert out["launches"] == 30
     assert out["step_ms"] > 0 and out["torch_step_ms"] > 0

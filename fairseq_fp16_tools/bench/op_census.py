@@ -60,7 +60,7 @@ from fairseq_fp16.core.diagnostics import is_dense
 from ..paths import ROOT
 from ..provenance import describe
 from .fairseq_train import ENV, MODEL, MODES, STOCK, parse_modes, plugin_args
-from .run_stats import _UpdateWindow
+from .windows import UpdateWindow
 
 __all__ = ["CLASSES", "KINDS", "OpCensus", "UpdatesByKind", "census_worker", "classify_op", "diff_table",
            "foreach_launches", "run_census", "table"]
@@ -321,7 +321,7 @@ AS_ON_CUDA = {"--half-matmul": "native", "--attention-path": "torch", "--cpu-len
 KINDS = ("applied", "overflowed", "armed_applied", "armed_overflowed")
 
 
-class UpdatesByKind(_UpdateWindow):
+class UpdatesByKind(UpdateWindow):
     """The census of every ``train_step`` call from call ``first`` on, one :class:`OpCensus`
     per update, added up by kind (:data:`KINDS`), until ``count`` applied updates are counted;
     then the summary goes to ``out_path`` as JSON: the applied updates' (the steady state, as

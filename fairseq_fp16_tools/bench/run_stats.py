@@ -35,6 +35,8 @@ import sys
 import time
 from importlib import metadata
 
+from .windows import UpdateWindow, install_step_wrapper
+
 CLIS = {
     "fairseq-train": "fairseq_cli.train",
     "fairseq-generate": "fairseq_cli.generate",
@@ -118,23 +120,6 @@ class CudaPeak:
         return max(self._kept, self.cuda.max_memory_allocated()) / 2**20
 
 
-def install_step_wrapper(train_module, wrap) -> None:
-    """Wrap ``train_module.train`` (``fairseq_cli.train``'s epoch loop) so that the trainer it
-    receives gets ``trainer.train_step = wrap(trainer, trainer.train_step)`` once: the instance's
-    attribute, so the plugin's checks of fairseq's class see it unchanged. Several wrappers
-    nest, the one installed last outermost."""
-    train_epoch = train_module.train
-    wrapped = []
-
-    def train(cfg, trainer, *args, **kwargs):
-        if not any(t is trainer for t in wrapped):
-            wrapped.append(trainer)
-            trainer.train_step = wrap(trainer, trainer.train_step)
-        return train_epoch(cfg, trainer, *args, **kwargs)
-
-    train_module.train = train
-
-
 def _compiles() -> int:
     """Frames torch.compile has compiled in this process (dynamo's ``frames/ok`` counter; 0
     where dynamo was never imported)."""
@@ -206,32 +191,7 @@ class IntervalLog:
         return train_step
 
 
-class _UpdateWindow:
-    """Updates ``first`` .. of a fairseq run, by ``Trainer.train_step`` calls.
-
-    :meth:`install` wraps the ``train_step`` of the trainer that ``fairseq_cli.train.train``
-    receives with the subclass's :meth:`wrap` (:func:`install_step_wrapper`).
-    """
-
-    FLAG = ""
-
-    def __init__(self, first: int, count: int, out_path: str, name: str = "") -> None:
-        if first < 1 or count < 1:
-            raise ValueError(f"{self.FLAG} FIRST:COUNT needs FIRST >= 1 and COUNT >= 1, "
-                             f"got {first}:{count}")
-        self.first, self.count, self.out_path, self.name = first, count, out_path, name
-        self.calls = 0
-        self.summary = None
-
-    def install(self, train_module) -> None:
-        """Wrap ``train_module.train`` (``fairseq_cli.train``'s epoch loop)."""
-        install_step_wrapper(train_module, self.wrap)
-
-    def wrap(self, trainer, step):
-        raise NotImplementedError
-
-
-class UpdateProfiler(_UpdateWindow):
+class UpdateProfiler(UpdateWindow):
     """``torch.profiler`` over ``count`` updates of a fairseq run from update ``first`` on.
 
     The profiler starts as the first ``train_step`` call made at ``num_updates == first - 1``
@@ -313,7 +273,7 @@ class UpdateProfiler(_UpdateWindow):
             json.dump(self.summary, f)
 
 
-class UpdateCensus(_UpdateWindow):
+class UpdateCensus(UpdateWindow):
     """:class:`bench.op_census.OpCensus` counting ``count`` ``train_step`` calls from call
     ``first`` on (the optimizer's ``step`` marked as the step phase); the summary (with
     ``name``) goes to ``out_path`` as JSON after the last of them. Every update runs under the
