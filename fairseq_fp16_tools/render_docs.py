@@ -293,19 +293,6 @@ def gpu_batch_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                      "GPU idle (profile)"], rows)
 
 
-def gpu_ab_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
-    """The H200 A/B run: each mode's speed and memory, and its profile's idle GPU share."""
-    train, profiles = data
-    ms, wps, mem = train["ms_per_update"], train["words_per_s"], train["peak_mb"]
-    prof = next(iter(profiles.values()))
-    rows = [[mode, num(ms[mode], 1), thousands(wps[mode]), ratio(wps[mode] / wps["fp32"]), thousands(mem[mode]),
-             f"{prof[mode]['gpu_idle_frac']:.0%}" if mode in prof else "-",
-             thousands(prof[mode]["launches"]) if mode in prof else "-"]
-            for mode in ms]
-    return md_table(["mode", "ms/update", "words/s", "x fp32", "peak CUDA MB", "GPU idle (profile)",
-                     "launches/update"], rows)
-
-
 def optimizer_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/bench_optimizer.py on each machine."""
     rows = []
@@ -539,8 +526,6 @@ TABLES: Dict[str, Table] = {
     "h200-batch-sizes": Table(tuple(f"{BENCH}/h200/precisions/{n}.json"
                                     for n in ("train_16384", "train_32768", "profiles")),
                               "bash scripts/gpu/session.sh OUT", gpu_batch_rows, provenance=True),
-    "h200-ab": Table((f"{BENCH}/h200/ab-16k/train_16384.json", f"{BENCH}/h200/ab-16k/profiles.json"),
-                     "bash scripts/gpu/session.sh OUT (MODES_A: the A/B modes)", gpu_ab_rows, provenance=True),
     "op-census": Table((f"{BENCH}/amx-xeon/op_census.json",),
                        "python scripts/op_census.py data/gpu-bench/bin --model \"--arch transformer "
                        "--share-all-embeddings --dropout 0.1 --max-tokens 4096\"", census_rows,
