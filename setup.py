@@ -8,9 +8,8 @@ setup(
     packages=find_packages(include=["fairseq_fp16", "fairseq_fp16.*", "fairseq_fp16_tools", "fairseq_fp16_tools.*"]),
     python_requires=">=3.9",
     install_requires=[
+        # an installed torch >= 2.4 is left as it is
         "torch>=2.4",
-        # fairseq 0.12.2 cannot be imported on Python 3.11; this fork can.
-        "fairseq-fixed==0.12.3.1",
         "sacrebleu>=2.4",
         # Student's t for the seed-paired equivalence test (fairseq_fp16_tools/stats.py)
         "scipy",
@@ -19,6 +18,9 @@ setup(
         "sentence-splitter",
     ],
     extras_require={
+        # fairseq 0.12.2 cannot be imported on Python 3.11; this fork can. An extra, so that a
+        # plain install leaves a fairseq already installed (the user's own build) alone.
+        "fairseq": ["fairseq-fixed==0.12.3.1"],
         "test": ["pytest>=7"],
         "plots": ["matplotlib"],
     },
