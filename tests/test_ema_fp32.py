@@ -1,13 +1,12 @@
-"""--ema-fp32 in a half run: fairseq's EMA averages the fp32 masters (patches/trainer.py), without
-recording an autograd graph in its tensors and with tied weights read under every key."""
+"""--ema-fp32 in a half run: the trainer's EMA (patches/trainer.py's MastersEMA) averages the fp32
+masters, without recording an autograd graph in its tensors and with tied weights read under
+every key."""
 
 import resource
 
 import torch
-from fairseq.models.ema import EMA
 from omegaconf import OmegaConf
 
-from fairseq_fp16.core.param_names import tag_param_names
 from fairseq_fp16.patches import trainer as trainer_patch
 
 
@@ -22,30 +21,29 @@ class _Tied(torch.nn.Module):
 
 
 class _Optimizer:
-    """What the EMA patch reads of the plugin's optimizer: ``core.masters_by_param()``."""
+    """What the EMA reads of the plugin's optimizer: ``core.masters_by_param()``."""
 
     def __init__(self, model):
         self.core = self
-        tag_param_names(list(model.named_parameters()))
         self.masters = {id(p): torch.nn.Parameter(p.detach().float() + 1e-3) for p in model.parameters()}
-        self._half_pairs = [(p, self.masters[id(p)]) for p in model.parameters()]
 
     def masters_by_param(self):
         return self.masters
 
 
-def _ema(model):
+def _ema(model, opt):
     cfg = OmegaConf.create({"ema_decay": 0.9, "ema_fp32": True, "ema_seed_model": None,
                             "ema_update_freq": 1, "ema_start_update": 0})
-    return EMA(model, cfg)
+    ema = trainer_patch._build_ema(model, cfg, None)  # what the patched trainer builds
+    ema.follow(opt)
+    return ema
 
 
 def test_the_ema_of_the_masters_records_no_graph_and_keeps_its_memory():
     torch.manual_seed(0)
     model = _Tied()
     opt = _Optimizer(model)
-    trainer_patch._OPTIMIZERS[id(model)] = opt
-    ema = _ema(model)
+    ema = _ema(model, opt)
 
     def steps(n):
         for _ in range(n):
@@ -66,8 +64,7 @@ def test_the_ema_of_the_masters_records_no_graph_and_keeps_its_memory():
 def test_a_tied_weight_averages_its_master_under_every_key():
     model = _Tied()
     opt = _Optimizer(model)
-    trainer_patch._OPTIMIZERS[id(model)] = opt
-    ema = _ema(model)
+    ema = _ema(model, opt)
     ema._set_decay(0.0)  # the EMA is the latest weights
     ema.step(model)
     master = opt.masters[id(model.layers[0])]

@@ -3,6 +3,7 @@ name a damaged or refused checkpoint file."""
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import logging
 import os
@@ -112,7 +113,8 @@ def _raised_reading(err: BaseException) -> bool:
 
 def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     state = _read_checkpoint(path, arg_overrides, load_on_all_ranks)
-    if _RESUMING and plugin_optimizer_applies(_RESUMING[-1].cfg):
+    trainer = RESUMING.get()
+    if trainer is not None and plugin_optimizer_applies(trainer.cfg):
         stock = prepare_for_resume(state)
         if stock:
             logger.info("fairseq_fp16: %s was written by stock fairseq (%s): its optimizer state "
@@ -164,17 +166,17 @@ def intact_alternatives(path: str) -> List[Tuple[str, Optional[int]]]:
     return [(full, updates) for full, updates, _, _ in found]
 
 
-#: the trainers loading a checkpoint to resume (their checkpoint's optimizer state is read
-#: into the plugin's optimizer wrapper)
-_RESUMING: list = []
+#: the trainer whose checkpoint fairseq is loading, while it does: the files it reads are
+#: prepared for that trainer's optimizer (load_checkpoint_to_cpu is also fairseq-generate's)
+RESUMING: "contextvars.ContextVar" = contextvars.ContextVar("fairseq_fp16_resuming", default=None)
 
 
 def _load_checkpoint(self, filename, *args, **kwargs):
-    _RESUMING.append(self)
+    token = RESUMING.set(self)
     try:
         extra_state = _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs)
     finally:
-        _RESUMING.pop()
+        RESUMING.reset(token)
     _ema_model_from_its_fp32_weights(self, extra_state)
     return extra_state
 

@@ -1,16 +1,25 @@
-"""Patches of ``fairseq.trainer.Trainer``: the plugin's optimizer, bf16 off TPUs, and the
-overflow handler off CUDA."""
+"""Patches of ``fairseq.trainer.Trainer``: the plugin's optimizer, bf16 off TPUs, the overflow
+handler off CUDA, and an fp32 EMA of the masters.
+
+The trainer and the plugin's optimizer wrapper talk through the wrapper's own attributes: the
+trainer asks ``isinstance(optimizer, MixedPrecisionFairseqOptimizer)`` and then reads
+``stop_error`` and ``overflow_pending`` and calls ``begin_epoch``; the EMA the trainer builds is a
+:class:`MastersEMA`, which the trainer tells which wrapper's masters to average
+(:meth:`MastersEMA.follow`)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
-import weakref
 from itertools import chain
+from typing import Optional
 
 from fairseq.logging import metrics
+from fairseq.models.ema import EMA
 from fairseq.optim import lr_scheduler
+from fairseq.trainer import Trainer
 
 from .. import run_info
 from ..core.param_names import tag_param_names
@@ -26,7 +35,7 @@ BUILD_OPTIMIZER = "fairseq.trainer:Trainer._build_optimizer"
 TRAIN_STEP = "fairseq.trainer:Trainer.train_step"
 STATE_DICT = "fairseq.trainer:Trainer.state_dict"
 BEGIN_EPOCH = "fairseq.trainer:Trainer.begin_epoch"
-EMA_STEP = "fairseq.models.ema.ema:EMA.step"
+BUILD_EMA = "fairseq.trainer:build_ema"
 
 
 
@@ -80,14 +89,11 @@ def _build_optimizer(self):
     self._optimizer = MixedPrecisionFairseqOptimizer(
         self.cfg, [p for _, p in named], Precision.from_cfg(self.cfg)
     )
-    _OPTIMIZERS[id(self.get_model())] = self._optimizer
+    if self.cfg.ema.store_ema and isinstance(self.ema, MastersEMA):
+        self.ema.follow(self._optimizer)
     self._optimizer.watch_forward(self._model)
     self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler, self.optimizer)
     self._lr_scheduler.step_update(0)
-
-
-#: the plugin's optimizer of each trainer's model (by id): --ema-fp32 reads its masters
-_OPTIMIZERS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 class _MastersView:
@@ -108,16 +114,39 @@ class _MastersView:
                 for k, v in self._model.state_dict(keep_vars=True).items()}
 
 
-def _ema_step(self, new_model, updates=None):
-    optimizer = _OPTIMIZERS.get(id(new_model))
-    if self.config.ema_fp32 and optimizer is not None and optimizer.core is not None:
-        new_model = _MastersView(new_model, optimizer.core.masters_by_param())
-    return _original(EMA_STEP)(self, new_model, updates)
+class MastersEMA(EMA):
+    """fairseq's EMA; with ``--ema-fp32`` in a half run it averages the fp32 masters of the
+    optimizer wrapper it follows, not the model's rounded half weights."""
+
+    def __init__(self, model, config, device=None, skip_keys=None) -> None:
+        super().__init__(model, config, device=device, skip_keys=skip_keys)
+        self.optimizer: Optional[MixedPrecisionFairseqOptimizer] = None
+
+    def follow(self, optimizer: MixedPrecisionFairseqOptimizer) -> None:
+        """Average ``optimizer``'s masters from now on (the trainer calls this as it builds it)."""
+        self.optimizer = optimizer
+
+    def step(self, new_model, updates=None):
+        core = self.optimizer.core if self.optimizer is not None else None
+        if self.config.ema_fp32 and core is not None:
+            new_model = _MastersView(new_model, core.masters_by_param())
+        return super().step(new_model, updates)
+
+
+def _build_ema(model, cfg, device):
+    return MastersEMA(model, cfg, device)
+
+
+def _plugin_optimizer(trainer) -> Optional[MixedPrecisionFairseqOptimizer]:
+    """The trainer's optimizer if it is the plugin's wrapper (fairseq's own in the set-ups the
+    wrapper does not cover), without building one."""
+    opt = trainer._optimizer
+    return opt if isinstance(opt, MixedPrecisionFairseqOptimizer) else None
 
 
 def _begin_epoch(self, epoch):
     _original(BEGIN_EPOCH)(self, epoch)
-    if hasattr(self.optimizer, "begin_epoch"):  # the plugin's optimizer wrapper
+    if isinstance(self.optimizer, MixedPrecisionFairseqOptimizer):
         self.optimizer.begin_epoch(epoch)
 
 
@@ -125,8 +154,8 @@ def _train_step(self, samples, raise_oom=False):
     try:
         return _original(TRAIN_STEP)(self, samples, raise_oom)
     except Exception as e:
-        opt = self._optimizer
-        stop = getattr(opt, "stop_error", None)
+        opt = _plugin_optimizer(self)
+        stop = opt.stop_error if opt is not None else None
         if stop is not None:
             if e is not stop:  # fairseq's NanDetector re-run of the batch failed
                 logger.warning("fairseq's NanDetector re-run failed (%s: %s); the reason the "
@@ -134,7 +163,7 @@ def _train_step(self, samples, raise_oom=False):
             raise stop from None
         if not isinstance(e, (AssertionError, RuntimeError)):
             raise
-        if self.cuda or not getattr(opt, "overflow_pending", False):
+        if self.cuda or opt is None or not opt.overflow_pending:
             raise
     # fairseq's OverflowError handler failed at torch.tensor(0.0).cuda();
     # finish it as it would have on a GPU.
@@ -173,10 +202,12 @@ PATCHES = [
           expects=["self.lr_step_begin_epoch(epoch)"],
           why="a per-epoch --update-freq changes the default loss-scale window with the epoch "
               "(fairseq computes it once, from the first entry)"),
-    Patch(EMA_STEP, group="precision", replacement=_ema_step,
-          expects=["self._step_internal(new_model, updates)"],
+    Patch(BUILD_EMA, group="precision", replacement=_build_ema,
+          condition=lambda build: None if "self._ema = build_ema(" in inspect.getsource(Trainer._build_ema)
+          else "Trainer._build_ema no longer calls build_ema",
           why="--ema-fp32 averages the model's state dict, which in a half run holds the rounded "
-              "half weights; the EMA reads each half weight's fp32 master instead"),
+              "half weights; the trainer builds a MastersEMA, which averages the fp32 masters of "
+              "the optimizer wrapper the trainer tells it to follow"),
     Patch(STATE_DICT, group="precision", expects=['"optimizer_name": self.optimizer.__class__.__name__'],
           why="checkpoints record the optimizer's class name; the wrapper keeps one class for "
               "every precision so that runs resume across precisions"),
