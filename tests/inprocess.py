@@ -1,14 +1,16 @@
-"""fairseq-train run in the test process (a fraction of a second for the tiny model, against
-seconds for a CLI run): what fairseq's own tests do (``train.main(cfg)``), with a hook on the
-trainer as a checkpoint is loaded, and stock fairseq runs with the plugin's patches taken out
-for their duration."""
+"""fairseq-train and fairseq-generate run in the test process (a fraction of a second for the
+tiny model, against seconds for a CLI run): what fairseq's own tests do (``train.main(cfg)``),
+with a hook on the trainer as a checkpoint is loaded, and stock fairseq runs with the plugin's
+patches taken out for their duration."""
 
 import contextlib
+import io
 import logging
 from typing import Callable, Optional, Sequence
 
 from fairseq import checkpoint_utils, options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq_cli import generate as generate_cli
 from fairseq_cli import train as train_cli
 
 from fairseq_fp16 import precision, run_info
@@ -76,3 +78,18 @@ def fairseq_train(args: Sequence[str], stock: bool = False, on_load: Optional[Ca
             train_cli.main(cfg)
         finally:
             logging.disable(previous)
+
+
+def fairseq_generate(args: Sequence[str]) -> str:
+    """``fairseq-generate ARGS`` in this process; returns what it prints (the S-, T-, H- and P-
+    lines and the BLEU line)."""
+    out = io.StringIO()
+    with _run_state_restored(), contextlib.redirect_stdout(out):
+        previous = logging.root.manager.disable
+        logging.disable(logging.INFO)
+        try:
+            parser = options.get_generation_parser()
+            generate_cli.main(options.parse_args_and_arch(parser, input_args=[str(a) for a in args]))
+        finally:
+            logging.disable(previous)
+    return out.getvalue()

@@ -15,7 +15,8 @@ none: a fairseq whose source differs is refused with the patch and statement nam
 Modules, by what they patch: :mod:`.trainer`, :mod:`.checkpoints`, :mod:`.distributed`,
 :mod:`.options`, :mod:`.prefetch` and :mod:`.run` (fairseq's trainer, checkpoint files,
 distributed start-up, option parsing, batch-prefetch threads and commands), :mod:`.tasks`
-(the task base classes: the precision features for every task), :mod:`.incremental_state`
+(the task base classes: the precision features for every task), :mod:`.flags` (the task
+registry and constructors: the plugin's flags for every task), :mod:`.incremental_state`
 (the decoding-state lookup, for ``--compile-layers``). Outside fairseq, the plugin
 adds ``argparse.Namespace`` to torch's weights-only allow-list (:mod:`fairseq_fp16.safe_load`).
 """
@@ -26,13 +27,13 @@ import os
 
 import torch
 
-from . import checkpoints, distributed, incremental_state, options, prefetch, run, tasks, trainer
+from . import checkpoints, distributed, flags, incremental_state, options, prefetch, run, tasks, trainer
 from .registry import GROUPS, REGISTRY, Patch
 
 __all__ = ["GROUPS", "PROCESS_SETTINGS", "REGISTRY", "Patch", "describe", "install", "is_installed",
            "uninstall"]
 
-for _module in (trainer, checkpoints, distributed, options, prefetch, run, tasks,
+for _module in (trainer, checkpoints, distributed, options, prefetch, run, tasks, flags,
                 incremental_state):
     for _patch in _module.PATCHES:
         REGISTRY.add(_patch)

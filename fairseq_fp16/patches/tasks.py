@@ -12,12 +12,15 @@ plugin loaded:
 * ``train_step`` / ``valid_step`` / ``inference_step``: the CPU matrix-product mode
   (``--half-matmul``), the first steps' count of half products left on native kernels, and
   ``--precision-divergence-interval``;
-* ``get_batch_iterator``: ``--length-buckets`` (the training set's batches in a few shapes);
+* ``get_batch_iterator``: a resumed run trains on the batches of the uninterrupted one (a reused
+  iterator's examples ordered with the epoch-1 seed), and ``--length-buckets`` (the training
+  set's batches in a few shapes);
 * ``build_generator``: ``--bf16`` generation casts the models to bf16 (stock fairseq-generate
   casts only for ``--fp16``), and the n-gram blocker that blocks nothing off CUDA is replaced.
 
-Flags are read from the task's config where it declares them (``translation_fp16`` does); other
-tasks get the defaults. The precision is the run's (:func:`fairseq_fp16.precision.current`) or,
+Flags are read from the task's config (``cfg``, or a legacy task's ``args``), where every task has
+them (:mod:`fairseq_fp16.flags`); a config without them (a stock checkpoint's) gives the
+defaults. The precision is the run's (:func:`fairseq_fp16.precision.current`) or,
 before a command's ``main`` started, the task config's ``fp16``/``bf16``.
 """
 
@@ -28,9 +31,11 @@ import json
 import logging
 import os
 from contextlib import contextmanager
+from functools import wraps
 from typing import Optional
 
 import torch
+from fairseq.data import data_utils
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
@@ -43,6 +48,7 @@ from ..core.half_matmul import NativeHalfProducts, half_matmul_context, resolve_
 from ..core.master_weights import tag_param_names
 from ..core.ngram_block import NGramBlock
 from .. import run_info
+from ..flags import ATTENTION_PATHS, flag, resolve_attention_path, task_config
 from ..precision import Precision, current
 from .registry import Patch
 from .registry import original as _original
@@ -54,13 +60,10 @@ __all__ = ["ATTENTION_PATHS", "PATCHES", "avoid_cudnn_attention", "resolve_atten
 
 BASE = "fairseq.tasks.fairseq_task:FairseqTask"
 LEGACY = "fairseq.tasks.fairseq_task:LegacyFairseqTask"
-ATTENTION_PATHS = ("auto", "torch", "fairseq")
-
 
 
 def _flag(task, name, default):
-    value = getattr(getattr(task, "cfg", None), name, default)
-    return default if value is None else value
+    return flag(task_config(task), name, default)
 
 
 def task_precision(task) -> Precision:
@@ -68,27 +71,9 @@ def task_precision(task) -> Precision:
     run = current()
     if run is not None:
         return run
-    cfg = getattr(task, "cfg", None)
-    return Precision.from_flags(bool(getattr(cfg, "fp16", False)), bool(getattr(cfg, "bf16", False)),
-                                cpu=bool(getattr(cfg, "cpu", False)))
-
-
-def resolve_attention_path(choice: str, half: bool, on_cpu: bool) -> str:
-    """'torch' or 'fairseq': which attention ``--attention-path CHOICE`` selects.
-
-    auto keeps fairseq's own attention for half-precision runs on the CPU, where the
-    fp32-accumulate products route its matrix products and torch's CPU kernels would run
-    the softmax in half; everywhere else it is torch's fused path (stock fairseq's choice).
-
-    Raises:
-        ValueError: naming the flag and its choices.
-    """
-    if choice not in ATTENTION_PATHS:
-        raise ValueError(f"--attention-path must be one of {', '.join(ATTENTION_PATHS)}, "
-                         f"got {choice!r}")
-    if choice != "auto":
-        return choice
-    return "fairseq" if half and on_cpu else "torch"
+    cfg = task_config(task)
+    return Precision.from_flags(bool(flag(cfg, "fp16", False)), bool(flag(cfg, "bf16", False)),
+                                cpu=bool(flag(cfg, "cpu", False)))
 
 
 def avoid_cudnn_attention() -> bool:
@@ -312,24 +297,69 @@ def _build_generator(self, models, args, *rest, **kwargs):
     return generator
 
 
-#: position of ``seed`` among FairseqTask.get_batch_iterator's arguments after ``dataset``
-SEED_POSITION = 5
+#: positions of ``seed`` and ``disable_iterator_cache`` among FairseqTask.get_batch_iterator's
+#: arguments after ``dataset``
+SEED_POSITION, DISABLE_CACHE_POSITION = 5, 11
+
+
+def _argument(args, kwargs, name: str, position: int, default):
+    """get_batch_iterator's argument ``name``, passed by keyword or at ``position`` after the
+    dataset."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+def _reused_for_every_epoch(task, dataset, args, kwargs) -> bool:
+    """Whether fairseq makes the batches of ``dataset`` once and reuses them in later epochs
+    (the iterator cached, the batches not rebuilt each epoch)."""
+    if _argument(args, kwargs, "disable_iterator_cache", DISABLE_CACHE_POSITION, False):
+        return False
+    if kwargs.get("update_epoch_batch_itr", False) or getattr(task.cfg, "rebuild_batches", False):
+        return False
+    return bool(task.can_reuse_epoch_itr(dataset))
 
 
 def _get_batch_iterator(self, dataset, *args, **kwargs):
-    """fairseq's batch iterator; with ``--length-buckets`` the training set batches and collates
-    in bucket shapes (:class:`~fairseq_fp16.core.buckets.BucketedBatching`)."""
+    """fairseq's batch iterator, with the examples of a reused one ordered as in epoch 1; with
+    ``--length-buckets`` the training set batches and collates in bucket shapes
+    (:class:`~fairseq_fp16.core.buckets.BucketedBatching`).
+
+    fairseq(-fixed) 0.12.3 orders the examples under ``numpy_seed(seed + epoch)`` with the epoch
+    in which the iterator is made, and reuses its batches in later epochs: a run resumed in epoch 2
+    or later would train on differently composed batches than the uninterrupted run. Ordered with
+    the epoch-1 seed, every run sees the batches a fresh run makes."""
     choice = parse_length_buckets(_flag(self, "length_buckets", "off"))
     datasets = getattr(self, "datasets", None) or {}
     if choice is not None and dataset is datasets.get(_flag(self, "train_subset", "train")):
         BucketedBatching.install(dataset, choice)
-    return _original(f"{BASE}.get_batch_iterator")(self, dataset, *args, **kwargs)
+    make = _original(f"{BASE}.get_batch_iterator")
+    if not _reused_for_every_epoch(self, dataset, args, kwargs):
+        return make(self, dataset, *args, **kwargs)
+    seed = _argument(args, kwargs, "seed", SEED_POSITION, 1)
+    ordered_indices = dataset.ordered_indices
+    own = vars(dataset).get("ordered_indices")
+
+    @wraps(ordered_indices)
+    def first_epoch_order():
+        with data_utils.numpy_seed(seed + 1):
+            return ordered_indices()
+
+    dataset.ordered_indices = first_epoch_order
+    try:
+        return make(self, dataset, *args, **kwargs)
+    finally:
+        if own is None:
+            del dataset.ordered_indices
+        else:
+            dataset.ordered_indices = own
 
 
-def _seed_position(fn) -> Optional[str]:
+def _argument_positions(fn) -> Optional[str]:
     names = list(inspect.signature(fn).parameters)[2:]  # after self, dataset
-    if len(names) <= SEED_POSITION or names[SEED_POSITION] != "seed":
-        return f"seed is not argument {SEED_POSITION} after dataset: {names[:SEED_POSITION + 1]}"
+    for name, position in (("seed", SEED_POSITION), ("disable_iterator_cache", DISABLE_CACHE_POSITION)):
+        if len(names) <= position or names[position] != name:
+            return f"{name} is not argument {position} after dataset: {names[:position + 1]}"
     return None
 
 
@@ -370,14 +400,15 @@ PATCHES = [
           why="relied on: use_extension says whether fairseq's blocker runs its CUDA kernel"),
     Patch(f"{BASE}.get_batch_iterator", group="precision", replacement=_get_batch_iterator,
           expects=["with data_utils.numpy_seed(seed + epoch):", "indices = dataset.ordered_indices()",
-                   "batches = dataset.batch_by_size(", "collate_fn=dataset.collater,"],
-          condition=lambda fn: _seed_position(fn),
-          why="with --length-buckets the training set's batch_by_size and collater, which this "
-              "calls, are replaced on the dataset by bucketed ones (batches of a few fixed shapes "
-              "for CUDA graphs); relied on: translation_fp16 orders examples with the epoch-1 seed "
-              "(resumed runs see the batches an uninterrupted run saw) by wrapping "
-              "dataset.ordered_indices around this call, and reads the seed as its 6th argument "
-              "after the dataset"),
+                   "batches = dataset.batch_by_size(", "collate_fn=dataset.collater,",
+                   "and self.can_reuse_epoch_itr(dataset)", "return self.dataset_to_epoch_iter[dataset]"],
+          condition=lambda fn: _argument_positions(fn),
+          why="a reused iterator's examples are ordered with the epoch-1 seed (fairseq seeds them "
+              "with the epoch the iterator is made in, so a run resumed in epoch 2 or later trained "
+              "on other batches than the uninterrupted run), through dataset.ordered_indices "
+              "wrapped around this call; with --length-buckets the training set's batch_by_size and "
+              "collater, which this calls, are replaced on the dataset by bucketed ones (batches of "
+              "a few fixed shapes for CUDA graphs)"),
     Patch("fairseq.data.language_pair_dataset:LanguagePairDataset.collater", group="precision",
           expects=["pad_to_multiple=self.pad_to_multiple", "pad_to_length=pad_to_length,"],
           why="relied on: --cpu-length-multiple sets the dataset's pad_to_multiple, which its "
