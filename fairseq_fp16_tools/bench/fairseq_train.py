@@ -1,6 +1,7 @@
 """Time per update of real fairseq-train runs, per precision, on the same model and data.
 
     python scripts/bench_fairseq_train.py [DATA_BIN] [--warmup 10] [--updates 30] [--modes ...] [--model "..."]
+                                          [--task-args "--task NAME ..."]
 
 Without DATA_BIN the synthetic corpus (scripts/make_toy_corpus.py) is built in a
 temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
@@ -118,12 +119,14 @@ def parse_modes(ap: argparse.ArgumentParser, text: str):
     return modes
 
 
-def plugin_args(mode: str) -> list:
-    """fairseq-train's plugin, task and optimizer flags for ``mode``: stock fairseq's translation
-    and adam for a stock mode, the plugin's otherwise."""
+def plugin_args(mode: str, task_args: Optional[str] = None) -> list:
+    """fairseq-train's plugin, task and optimizer flags for ``mode``: stock fairseq's adam for a
+    stock mode, the plugin's otherwise; the task is ``task_args`` (``--task-args``) where given,
+    else stock fairseq's translation or the plugin's translation_fp16."""
     if mode in STOCK:
-        return ["--task", "translation", "--optimizer", "adam"]
-    return ["--user-dir", USER_DIR, "--task", "translation_fp16", "--optimizer", "fp16_adam"]
+        return [*shlex.split(task_args or "--task translation"), "--optimizer", "adam"]
+    return ["--user-dir", USER_DIR, *shlex.split(task_args or "--task translation_fp16"),
+            "--optimizer", "fp16_adam"]
 
 
 class RunFailed(RuntimeError):
@@ -191,14 +194,16 @@ def timed_figures(intervals: List[Dict], after: int, upto: int) -> Dict:
             "recompiles": sum(i["compiles"] for i in timed)}
 
 
-def run(data, mode, updates, model, device, profile=None, warmup=0, timeout=None) -> Dict:
+def run(data, mode, updates, model, device, profile=None, warmup=0, timeout=None,
+        task_args=None) -> Dict:
     """One fairseq-train run of ``mode``: ``warmup`` updates, then ``updates`` timed ones.
 
     Returns ``ms_per_update``, ``words_per_s`` (fairseq's rates, median over the timed
     intervals), :func:`timed_figures`, ``peak_mb``, ``skipped_updates`` (the whole run's),
     ``intervals`` (every interval's :class:`.run_stats.IntervalLog` record) and ``machine``.
     ``profile``: (updates to profile, JSON path), run after the timed updates. ``timeout``:
-    seconds before the run is killed (:class:`RunTimedOut`).
+    seconds before the run is killed (:class:`RunTimedOut`). ``task_args``: the task and its
+    flags (:func:`plugin_args`).
     """
     flags = MODES[mode]
     timed_end = warmup + updates
@@ -209,7 +214,7 @@ def run(data, mode, updates, model, device, profile=None, warmup=0, timeout=None
     with tempfile.TemporaryDirectory() as tmp:
         stats, log = Path(tmp) / "stats.json", Path(tmp) / "log.txt"
         cmd = [sys.executable, script("run_stats.py"), *prof, str(stats), "fairseq-train",
-               str(data), *plugin_args(mode), "--lr", "1e-3",
+               str(data), *plugin_args(mode, task_args), "--lr", "1e-3",
                *shlex.split(model), "--max-update", str(total), "--log-format", "simple",
                "--log-interval", str(LOG_INTERVAL), "--no-save", "--disable-validation", "--seed", "1",
                *device, *flags]
@@ -302,7 +307,8 @@ def summarize(header: Dict, records: List[Dict]) -> Dict:
     ms, wps, mem = median("ms_per_update"), median("words_per_s"), most("peak_mb")
     first = modes[0] if modes else None
     return {
-        "record": "summary", "model": header["model"], "device": header["device"],
+        "record": "summary", "model": header["model"], "task_args": header.get("task_args"),
+        "device": header["device"],
         "updates": header["updates"], "warmup_updates": header["warmup_updates"],
         "repeats": header["repeats"], "statistic": "median",
         # native half modes on a CPU without units for their dtype: one run of --native-updates
@@ -375,7 +381,7 @@ def run_mode(data, mode, updates, a, device, profile, timeout, stop) -> Dict:
     try:
         stop.in_run = True
         record = {"outcome": "ok", "updates": updates,
-                  **run(data, mode, updates, a.model, device, profile, a.warmup, timeout)}
+                  **run(data, mode, updates, a.model, device, profile, a.warmup, timeout, a.task_args)}
         stop.in_run = False
         if profile and profile[1].exists():
             record["profile"] = json.loads(profile[1].read_text())
@@ -410,6 +416,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=10, help="updates before the timed ones")
     ap.add_argument("--modes", default="fp32,fp16,fp16-native,bf16,bf16-native,bf16-fp32acc")
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--task-args", metavar="'--task NAME ...'",
+                    help="the task and its flags (default: --task translation_fp16, stock modes "
+                    "--task translation); the plugin's flags apply under any task")
     ap.add_argument("--cuda", action="store_true", help="train on the GPU instead of --cpu")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile-dir", help="profile each mode after its timed updates; summaries here")
@@ -440,7 +449,8 @@ def main(argv=None):
     import torch
 
     sink = JsonLines(a.jsonl)
-    header = {"record": "run", "model": a.model, "device": "cuda" if a.cuda else "cpu", "modes": modes,
+    header = {"record": "run", "model": a.model, "task_args": a.task_args,
+              "device": "cuda" if a.cuda else "cpu", "modes": modes,
               "updates": a.updates, "warmup_updates": a.warmup, "repeats": a.repeats,
               "mode_timeout_s": limits, "cpu_native_fp16": cpu_has_native_half(torch.float16),
               "cpu_native_bf16": cpu_has_native_half(torch.bfloat16), "provenance": describe()}
