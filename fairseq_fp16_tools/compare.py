@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from .paths import USER_DIR, script
+from .provenance import describe
 from .runs import (DECODE_SETTINGS, RUN_INFO, SETTING_DEFAULTS, TRAIN_SETTINGS, parse_json_records,
                    read_generate_output, read_json, rerun_hint, run_info_fields)
 
@@ -277,6 +278,8 @@ def run_mode(name: str, base: str, seed: int, a, out: Path) -> dict:
         "plugin": spec["plugin"],
         "seed": seed,
         "train_command": ["fairseq-train", *map(str, train_args)],
+        # the code that trained and decoded it (the commit its figures come from)
+        "provenance": describe(),
         # the hardware and versions of the training process (scripts/run_stats.py)
         "machine": t_stats.get("machine"),
         # what the run used (the plugin's SAVE_DIR/run_info.json; None/False for stock fairseq)

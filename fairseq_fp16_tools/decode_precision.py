@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from .compare import MODES, generate_args, score, task_and_plugin
+from .provenance import describe
 from .runs import read_generate_output
 from .tables import decode_precision_table
 
@@ -103,7 +104,8 @@ def run(out: Path, modes=None) -> dict:
                   f"{g['bleu']:.2f} decoded in {precision}; {same} of {len(hyps)} hypotheses the same)",
                   flush=True)
         runs[mode] = entry
-    return {"gen_subset": settings["gen_subset"], "gen_args": settings["gen_args"], "runs": runs}
+    return {"gen_subset": settings["gen_subset"], "gen_args": settings["gen_args"], "runs": runs,
+            "provenance": describe()}
 
 
 def main(argv=None) -> None:

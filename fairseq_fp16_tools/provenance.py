@@ -166,6 +166,20 @@ def describe(root: Path = ROOT) -> Dict:
     }
 
 
+def unique_records(records) -> List[Dict]:
+    """The distinct provenance records among ``records`` (None left out), by commit and changed
+    folders, in their first order."""
+    seen, out = set(), []
+    for r in records:
+        if not isinstance(r, dict):
+            continue
+        key = (r.get("commit"), tuple(r.get("changed") or ()), tuple(sorted((r.get("source_hashes") or {}).items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
 def label(record: Optional[Dict]) -> str:
     """``1a2b3c4d``, ``1a2b3c4d plus changes to scripts/`` or ``commit unknown``."""
     if not record or not record.get("commit"):

@@ -9,10 +9,10 @@ In a doc (README.md, docs/*.md, examples/translation/*.md) a table sits between 
     ...
     <!-- /table -->
 
-Everything between them is generated: a one-line italic note naming the JSON file(s) and the
-command that reproduces the data (for a benchmark table also the commit and the torch and CUDA
-versions the data records, and whether the plugin changed since: :func:`provenance_note`), then
-the markdown table. :data:`TABLES` maps each NAME to
+Everything between them is generated: a one-line italic note naming the JSON file(s), the
+command that reproduces the data and the commit the data records (:func:`commit_note`; for a
+benchmark table also the torch and CUDA versions, and whether the plugin changed since:
+:func:`provenance_note`), then the markdown table. :data:`TABLES` maps each NAME to
 its files and its render function (a ``.jsonl`` file loads as a list of records); the
 functions read numbers from the JSON only, so a number in a doc changes when its data changes
 and nowhere else. ``--check`` (run by the test suite) also refuses an unknown NAME, a marker
@@ -200,6 +200,21 @@ def train_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
              thousands(mem.get(mode)), ratio(mem[mode] / mem[base]) if mode in mem and base in mem else "-"]
             for mode in ms]
     return md_table(["mode", "ms/update", f"x {base}", "words/s", "peak MB", f"x {base}"], rows)
+
+
+def task_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """bench_fairseq_train.py runs of other tasks (--task-args): per task and model, each mode's
+    updates/s and peak memory against fp32's."""
+    rows = []
+    for d in data:
+        task = re.search(r"--task (\S+)", d.get("task_args") or "--task translation_fp16").group(1)
+        arch = re.search(r"--arch (\S+)", d["model"]).group(1)
+        ms, wps, mem = d["ms_per_update"], d["words_per_s"], d["peak_mb"]
+        for mode in ms:
+            rows.append([f"`{task}`, `{arch}`", mode, num(ms[mode], 1), ratio(ms["fp32"] / ms[mode]),
+                         thousands(wps[mode]), thousands(mem[mode]), ratio(mem[mode] / mem["fp32"])])
+    return md_table(["task, model", "mode", "ms/update", "updates/s, x fp32", "words/s", "peak MB",
+                     "x fp32"], rows)
 
 
 def train_side_by_side(data: Sequence[dict], paths: Sequence[str]) -> str:
@@ -400,11 +415,11 @@ def resume_matrix_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
         cells.setdefault((writer, written, resumed), []).append(cell)
     precisions = ("fp32", "fp16", "bf16")
     rows = []
-    for writer, label in WRITERS.items():
+    for writer, who in WRITERS.items():
         for written in precisions:
             if not any((writer, written, r) in cells for r in precisions):
                 continue
-            what = f"{label}, {written}" + (f" ({LAYOUTS[writer, written]})" if writer != "plugin" else "")
+            what = f"{who}, {written}" + (f" ({LAYOUTS[writer, written]})" if writer != "plugin" else "")
             rows.append([what] + [_outcome_counts(cells.get((writer, written, r), [])) for r in precisions])
     return md_table(["checkpoint written by", "resumed in fp32", "resumed in --fp16", "resumed in --bf16"], rows)
 
@@ -434,6 +449,8 @@ def _provenances(d) -> List[dict]:
     what it says (the torch version under ``torch`` or ``machine``), its commit unknown."""
     if isinstance(d, dict) and isinstance(d.get("provenance"), dict):
         return [d["provenance"]]
+    if isinstance(d, dict) and isinstance(d.get("provenances"), list) and d["provenances"]:
+        return d["provenances"]  # verdict.json: the runs it pooled
     held = [r["provenance"] for runs in (d.values() if isinstance(d, dict) else []) if isinstance(runs, dict)
             for r in runs.values() if isinstance(r, dict) and isinstance(r.get("provenance"), dict)]
     if held:
@@ -477,6 +494,17 @@ def provenance_note(data: Sequence, root: Path) -> str:
     else:
         verdict = f"{PLUGIN}/ unchanged since"
     return f"Measured at {' and '.join(_unique(label(p) for p in records))} ({versions}): {verdict}."
+
+
+def commit_note(data: Sequence) -> str:
+    """``Data from COMMIT.``: the commits the data records (a table's note names where its
+    numbers came from), or that it records none."""
+    records = [p for d in data for p in _provenances(d)]
+    known = _unique(label(p) for p in records if p.get("commit"))
+    if not known:
+        return "The data records no commit."
+    partial = " (part of it records none)" if any(not p.get("commit") for p in records) else ""
+    return f"Data from {' and '.join(known)}{partial}."
 
 
 # -- the registry ---------------------------------------------------------------------------------
@@ -556,6 +584,10 @@ TABLES: Dict[str, Table] = {
     "master-grads": Table(tuple(f"{BENCH}/avx512-epyc/master-grads/{n}.json" for n in ("before", "after")),
                           "python scripts/bench_fairseq_train.py data/debian-ende/bin --modes fp32,fp16,bf16 "
                           "--updates 10 (before and after the change)", before_after_rows),
+    "other-tasks": Table(tuple(f"{BENCH}/amx-xeon/other_tasks/{n}.json" for n in ("multilingual", "bart_base")),
+                         "python scripts/bench_fairseq_train.py --modes fp32,fp16,bf16 --task-args "
+                         "\"--task ...\" --model \"--arch ...\" (the commands in docs/benchmarks.md)",
+                         task_rows, provenance=True),
     "length-buckets": Table(tuple(f"{BENCH}/amx-xeon/length_buckets/{n}.json"
                                   for n in ("debian_demo", "debian_all", "wmt_like", "wide")),
                             "python scripts/bucket_stats.py DATA_BIN --max-tokens 1024,4096,16384 --name NAME",
@@ -587,7 +619,10 @@ def render_table(name: str, root: Path, tables: Dict[str, Table]) -> str:
     if common and common not in table.sources:  # many files in one folder: name it once
         files = f"`{common}/`: " + ", ".join(f"`{Path(s).relative_to(common).as_posix()}`" for s in table.sources)
     data_note = f"data: `{table.command}`" if table.command else "written by hand"
-    measured = f" {provenance_note(data, root)}" if table.provenance else ""
+    if table.provenance:
+        measured = f" {provenance_note(data, root)}"
+    else:
+        measured = f" {commit_note(data)}" if table.command else ""
     note = f"*Generated by `scripts/render_docs.py` from {files}; {data_note}.{measured}*"
     return f"{note}\n\n{table.render(data, table.sources)}"
 

@@ -27,6 +27,7 @@ import json
 import sys
 from pathlib import Path
 
+from .provenance import unique_records
 from .runs import SETTING_DEFAULTS, base_mode, load_results, missing_line, missing_modes
 from .stats import MARGIN, check_margin, paired_equivalence, permutation_p
 from .tables import verdict_table
@@ -122,8 +123,10 @@ def main(argv=None) -> None:
           "ratios: mean (range) over the seed pairs.\n")
     print(verdict_table(rows, a.margin))
     if a.json:
-        a.json.write_text(json.dumps({"outs": [str(o) for o in a.outs], "margin": a.margin, "precisions": rows},
-                                     indent=1))
+        # the code of the runs pooled (their result.json's provenance; older results hold none)
+        provenances = unique_records(r.get("provenance") for by_seed in runs.values() for r in by_seed.values())
+        a.json.write_text(json.dumps({"outs": [str(o) for o in a.outs], "margin": a.margin, "precisions": rows,
+                                      "provenances": provenances}, indent=1))
     missing = [missing_line(out, m) for out in a.outs if (m := missing_modes(out))]
     if missing:
         sys.exit("verdict: the table leaves out " + "; ".join(missing))

@@ -70,6 +70,9 @@ def test_result_json_records_the_machine_and_the_matmul_path(compared):
     path = "native kernels" if m["cpu_native_fp16"] else "fp32 accumulation, rounded to half"
     assert r16["half_matmul"] == f"{path} (--half-matmul auto)"
     assert r32["half_matmul"] is None
+    # the code the runs came from: this checkout's commit (what a table's note names)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert r16["provenance"]["commit"] == r32["provenance"]["commit"] == head
     # fp32 accumulation checks its first training step: every product of the transformer routed
     assert r16["native_half_products"] == (None if m["cpu_native_fp16"] else 0)
     assert r32["native_half_products"] is None

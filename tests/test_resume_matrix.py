@@ -353,7 +353,10 @@ FOUND = {"cells": {}, "changes": {}}
 def _write_outcomes():
     yield
     if WRITE:
-        MATRIX_JSON.write_text(json.dumps({k: dict(sorted(v.items())) for k, v in FOUND.items()}, indent=1) + "\n")
+        from fairseq_fp16_tools.provenance import describe
+
+        found = {k: dict(sorted(v.items())) for k, v in FOUND.items()}
+        MATRIX_JSON.write_text(json.dumps({**found, "provenance": describe()}, indent=1) + "\n")
 
 
 def test_the_ci_cells_hold_every_pair_of_factor_values():

@@ -132,6 +132,19 @@ def test_verdict_refuses_runs_of_different_machines(tmp_path):
         pool([a, d])
 
 
+def test_verdict_json_lists_the_commits_of_the_runs_it_pooled(tmp_path):
+    a = _comparison(tmp_path / "a", 1, {"fp32": (1, 10.0, 2.0, 800), "bf16": (1, 10.3, 4.0, 760),
+                                        "fp32-seed2": (2, 11.0, 2.0, 800), "bf16-seed2": (2, 10.9, 5.0, 720)})
+    here = {"commit": "c" * 40, "changed": []}
+    for run in ("fp32", "bf16", "fp32-seed2"):  # bf16-seed2 ran before result.json held one
+        path = a / run / "result.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "provenance": here}))
+    out = tmp_path / "verdict.json"
+    subprocess.run([sys.executable, ROOT / "scripts" / "verdict.py", a, "--json", out], check=True,
+                   capture_output=True, text=True)
+    assert json.loads(out.read_text())["provenances"] == [here]
+
+
 def test_verdict_cli_on_the_committed_demo_runs(tmp_path):
     # the four seeds of make demo's recipe on the AVX512-BF16 EPYC, as committed
     out = tmp_path / "verdict.json"
