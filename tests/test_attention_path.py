@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import train
-from fairseq_fp16.patches.tasks import avoid_cudnn_attention, resolve_attention_path
+from fairseq_fp16.features import avoid_cudnn_attention
+from fairseq_fp16.flags import resolve_attention_path
 
 
 @pytest.mark.parametrize("choice,half,on_cpu,path", [

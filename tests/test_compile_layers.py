@@ -93,7 +93,7 @@ def test_bucketed_graphs_compile_once_and_train_as_the_eager_run(toy_data, tmp_p
 
     from conftest import TINY_MODEL
     from fairseq_fp16.core.compile import compile_training_forward
-    from fairseq_fp16.patches import tasks as task_patches
+    from fairseq_fp16 import features
 
     used = []
 
@@ -101,7 +101,7 @@ def test_bucketed_graphs_compile_once_and_train_as_the_eager_run(toy_data, tmp_p
         used.append(kwargs.get("mode"))
         return compile_training_forward(layers, backend="aot_eager", **kwargs)
 
-    monkeypatch.setattr(task_patches, "compile_training_forward", aot_eager)
+    monkeypatch.setattr(features, "compile_training_forward", aot_eager)
     common = [toy_data, *[a if a != "0.1" else "0" for a in TINY_MODEL], *TRAIN, "--user-dir", USER_DIR,
               "--no-save", "--disable-validation", "--train-subset", "valid", "--length-buckets", "3",
               "--max-update", "12"]

@@ -15,7 +15,7 @@ none: a fairseq whose source differs is refused with the patch and statement nam
 Modules, by what they patch: :mod:`.trainer`, :mod:`.checkpoints`, :mod:`.distributed`,
 :mod:`.options`, :mod:`.prefetch` and :mod:`.run` (fairseq's trainer, checkpoint files,
 distributed start-up, option parsing, batch-prefetch threads and commands), :mod:`.tasks`
-(the task base classes: the precision features for every task), :mod:`.flags` (the task
+(the task base classes, which call the precision features of :mod:`fairseq_fp16.features` for every task), :mod:`.flags` (the task
 registry and constructors: the plugin's flags for every task), :mod:`.incremental_state`
 (the decoding-state lookup, for ``--compile-layers``). Outside fairseq, the plugin
 adds ``argparse.Namespace`` to torch's weights-only allow-list (:mod:`fairseq_fp16.safe_load`).

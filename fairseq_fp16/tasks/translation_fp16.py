@@ -4,7 +4,7 @@ translation data.
 The precision features and their flags (loss scaling, ``--fp32-modules``, ``--half-matmul``,
 ``--fused-loss``, ``--attention-path``, ``--compile-layers``, ``--length-buckets``,
 ``--cuda-graphs``, the diagnostics) belong to every task (:mod:`fairseq_fp16.flags`,
-:mod:`fairseq_fp16.patches.tasks`), ``--task translation`` as well as this one. This task adds:
+:mod:`fairseq_fp16.features`), ``--task translation`` as well as this one. This task adds:
 
 * ``--cpu-length-multiple`` and ``--cpu-kernel-cache``: CPU half runs on native kernels pad
   each batch's lengths so that batches come in few shapes (through the language-pair
@@ -13,7 +13,7 @@ The precision features and their flags (loss scaling, ``--fp32-modules``, ``--ha
   the padded source columns again, so decoding is as without padding;
 
 A resumed run trains on the batches of the uninterrupted one under any task
-(:mod:`fairseq_fp16.patches.tasks`).
+(:mod:`fairseq_fp16.features`).
 """
 
 
@@ -29,7 +29,7 @@ from ..core.cpu_kernel_cache import (
     resolve_kernel_cache,
     resolve_length_multiple,
 )
-from ..patches.tasks import task_state
+from ..features import task_state
 from .. import run_info
 
 logger = logging.getLogger(__name__)

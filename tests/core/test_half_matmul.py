@@ -230,11 +230,11 @@ def test_native_half_products_counts_what_escapes_the_modes():
 def test_first_training_step_logs_the_products_that_escaped(caplog):
     from types import SimpleNamespace
 
-    from fairseq_fp16.patches.tasks import _native_products_check as check
+    from fairseq_fp16.features import native_products_check as check
 
     task = SimpleNamespace(fp32_accumulate=True, checked_steps=set())
     x = rand(4, 16, dtype=torch.bfloat16)
-    with caplog.at_level("INFO", logger="fairseq_fp16.patches.tasks"):
+    with caplog.at_level("INFO", logger="fairseq_fp16.features"):
         mm = torch.ops.aten.mm  # called directly: below the function mode
         with Fp32AccumulateFunctions(), check(task, "training step"):
             mm(mm(x, x.t()), x)
