@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence
 import torch
 
 import fairseq_fp16  # noqa: F401  (registers the task; allow-lists fairseq's globals for torch.load)
+from fairseq_fp16.precision import NAMES, Precision
 
 #: scripts/export_fp32_checkpoint.py's help
 EXPORT_DOC = """Write a copy of a mixed-precision checkpoint whose model weights are the exact fp32 masters.
@@ -75,9 +76,6 @@ checkpoint (``--fp16``/``--bf16`` round the averaged weights to the half model);
 the input paths): ``scripts/compare.py`` reads it.
 """
 
-HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def parameter_names(model: torch.nn.Module) -> List[List[str]]:
     """Every state-dict name of each trainable parameter, in the trainer's order.
 
@@ -92,16 +90,19 @@ def parameter_names(model: torch.nn.Module) -> List[List[str]]:
 
 
 def saved_masters(state):
-    """(precision, fp32 masters by parameter position) a checkpoint's state holds; (None, None)
-    when it holds none (an fp32 run, or one saved with ``--no-save-optimizer-state``)."""
+    """(:class:`~fairseq_fp16.precision.Precision`, fp32 masters by parameter position) a
+    checkpoint's state holds; (None, None) when it holds none (an fp32 run, or one saved with
+    ``--no-save-optimizer-state``)."""
     opt = state.get("last_optimizer_state")
-    precision = opt.get("precision") if isinstance(opt, dict) else None
+    name = opt.get("precision") if isinstance(opt, dict) else None
     masters = opt.get("master_params") if isinstance(opt, dict) else None
-    return (precision, masters) if precision in HALF_DTYPES and masters else (None, None)
+    if name not in NAMES or not masters or not Precision(name).is_half:
+        return None, None
+    return Precision(name), masters
 
 
 def load_masters(src: Path):
-    """``src``'s state and its precision ("fp16" or "bf16") and fp32 masters by parameter position.
+    """``src``'s state, its precision (fp16 or bf16) and fp32 masters by parameter position.
 
     Raises:
         ValueError: when ``src`` holds no fp32 masters (an fp32 run, or one saved with
@@ -139,7 +140,8 @@ def checkpoint_names(src: Path, data: str = None) -> List[List[str]]:
     return parameter_names(models[0])
 
 
-def put_masters(src: Path, weights: Dict[str, torch.Tensor], precision: str, masters, names) -> Dict[str, int]:
+def put_masters(src: Path, weights: Dict[str, torch.Tensor], precision: Precision, masters,
+                names) -> Dict[str, int]:
     """Replace, in the model state dict ``weights``, every half-trained weight by its fp32 master.
 
     Returns ``replaced`` (tensors), ``names`` (state-dict entries written) and ``changed``
@@ -149,7 +151,7 @@ def put_masters(src: Path, weights: Dict[str, torch.Tensor], precision: str, mas
         ValueError: when a master does not round to the weight ``weights`` holds under its name;
             saying the checkpoint is already exported when that weight is the master itself.
     """
-    half = HALF_DTYPES[precision]
+    half = precision.dtype
     replaced, written, changed = 0, 0, 0
     for i, master in sorted(masters.items(), key=lambda kv: int(kv[0])):
         i = int(i)
@@ -187,7 +189,7 @@ def export(src: Path, dst: Path, data: str = None) -> Dict[str, object]:
     state, precision, masters = load_masters(src)
     summary = put_masters(src, state["model"], precision, masters, checkpoint_names(src, data))
     torch.save(state, dst)
-    return {"precision": precision, **summary}
+    return {"precision": precision.name, **summary}
 
 
 def run_end(path: Path) -> Dict[str, object]:
@@ -240,12 +242,11 @@ def _weights(path: Path, names, data):
         put_masters(path, state["model"], precision, masters, names)
         return state, precision, True, names
     common = (state.get("cfg") or {}).get("common") or {}
-    precision = "fp16" if common.get("fp16") else "bf16" if common.get("bf16") else "fp32"
-    return state, precision, False, names
+    return state, Precision.from_flags(bool(common.get("fp16")), bool(common.get("bf16"))), False, names
 
 
-def _kind(precision: str, from_masters: bool) -> str:
-    return precision + (" (fp32 masters)" if from_masters else " (no masters saved)" if precision != "fp32" else "")
+def _kind(precision: Precision, from_masters: bool) -> str:
+    return precision.name + (" (fp32 masters)" if from_masters else " (no masters saved)" if precision.is_half else "")
 
 
 def average(paths: Sequence[Path], dst: Path, data: str = None) -> Dict[str, object]:
@@ -275,7 +276,7 @@ def average(paths: Sequence[Path], dst: Path, data: str = None) -> Dict[str, obj
             precision, masters, first = prec, from_masters, path
             total = {k: v.to(torch.float64) if v.is_floating_point() else v.clone() for k, v in weights.items()}
             continue
-        if (prec, from_masters) != (precision, masters):
+        if (prec.name, from_masters) != (precision.name, masters):
             raise ValueError(f"{path} is an {_kind(prec, from_masters)} checkpoint, {first} an "
                              f"{_kind(precision, masters)} one: average the checkpoints of one run")
         if weights.keys() != total.keys():
@@ -295,7 +296,7 @@ def average(paths: Sequence[Path], dst: Path, data: str = None) -> Dict[str, obj
     state["model"] = {k: (v / n).to(torch.float32) if v.is_floating_point() else v for k, v in total.items()}
     state.pop("last_optimizer_state", None)
     torch.save(state, dst)
-    return {"precision": precision, "masters": masters, "n": n, "updates": updates, "tensors": len(total)}
+    return {"precision": precision.name, "masters": masters, "n": n, "updates": updates, "tensors": len(total)}
 
 
 def export_main(argv=None) -> None:

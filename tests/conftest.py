@@ -170,6 +170,16 @@ def train(data, save_dir, *extra, user_dir=True, model=TINY_MODEL, check=True, c
     return proc, parse_json_records(proc.stdout + proc.stderr)["train_inner"]
 
 
+def plugin_optimizer(cfg, params, name: str):
+    """The plugin's optimizer wrapper (what the patched trainer builds) in precision ``name``,
+    with the loss scaling of ``cfg``'s ``--loss-scale``."""
+    from fairseq_fp16.optim.mixed_precision import MixedPrecisionFairseqOptimizer
+    from fairseq_fp16.precision import Precision
+
+    loss_scale = getattr(getattr(cfg, "task", None), "loss_scale", None)
+    return MixedPrecisionFairseqOptimizer(cfg, params, Precision.from_flags(name == "fp16", name == "bf16", loss_scale))
+
+
 def stock_abort_at_exit(proc) -> bool:
     """Stock fairseq's abort after its work is done (a prefetch thread ended inside torch at exit;
     fairseq_fp16/patches/prefetch.py, tests/test_clean_exit.py): the run finished and saved, then the

@@ -17,9 +17,8 @@ from fairseq_fp16.core.diagnostics import (
 )
 from fairseq_fp16.core.host_sync import HostSyncCounter
 from fairseq_fp16.core.master_weights import tag_param_names
-from fairseq_fp16.optim.mixed_precision import MixedPrecisionFairseqOptimizer
 
-from conftest import train
+from conftest import plugin_optimizer, train
 
 
 def named_half(**shapes):
@@ -135,11 +134,11 @@ def step_syncs(opt, params):
 
 def test_diagnostics_off_cost_no_extra_host_sync(tmp_path):
     params = list(named_half(**{"a.weight": (64, 64), "a.bias": (64,)}).values())
-    off = MixedPrecisionFairseqOptimizer(fairseq_cfg(), params, "fp16")
+    off = plugin_optimizer(fairseq_cfg(), params, "fp16")
     assert off.diagnostics is None
     # the one sync is the overflow test on the grad norm that fairseq's trainer reads anyway
     assert step_syncs(off, params) == 1
-    on = MixedPrecisionFairseqOptimizer(
+    on = plugin_optimizer(
         fairseq_cfg(scale_trace=str(tmp_path / "t.jsonl"), precision_stats_interval=1,
                     precision_stats=str(tmp_path / "s.jsonl")), params, "fp16")
     assert step_syncs(on, params) > 1
@@ -174,15 +173,15 @@ def test_a_fresh_run_starts_the_trace_over_and_a_resume_drops_what_came_after_it
     trace = tmp_path / "t.jsonl"
     params = list(named_half(**{"a.weight": (4, 4)}).values())
     cfg = fairseq_cfg(scale_trace=str(trace))
-    run_updates(MixedPrecisionFairseqOptimizer(cfg, params, "fp16"), params, [False] * 5)
-    fresh = MixedPrecisionFairseqOptimizer(cfg, params, "fp16")
+    run_updates(plugin_optimizer(cfg, params, "fp16"), params, [False] * 5)
+    fresh = plugin_optimizer(cfg, params, "fp16")
     run_updates(fresh, params, [False, True])
     at_two = fresh.state_dict()  # 2 attempted, 1 applied
     run_updates(fresh, params, [False, False])
     assert [(r["update"], r["num_updates"]) for r in read_jsonl(trace)] == [(1, 1), (2, 1), (3, 2), (4, 3)]
     assert f"--scale-trace {trace}: a new run; the 5 records of an earlier run in the file are replaced" \
         in caplog.text
-    resumed = MixedPrecisionFairseqOptimizer(cfg, params, "fp16")
+    resumed = plugin_optimizer(cfg, params, "fp16")
     resumed.load_state_dict(at_two)
     run_updates(resumed, params, [False])
     lines = read_jsonl(trace)
@@ -197,7 +196,7 @@ def test_precision_stats_interval_counts_applied_updates(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="fairseq_fp16.optim.traces")
     stats = tmp_path / "s.jsonl"
     params = list(named_half(**{"a.weight": (4, 4)}).values())
-    opt = MixedPrecisionFairseqOptimizer(
+    opt = plugin_optimizer(
         fairseq_cfg(precision_stats_interval=2, precision_stats=str(stats)), params, "fp16")
     run_updates(opt, params, [False, True, False, False, True, False])
     assert [(r["update"], r["num_updates"]) for r in read_jsonl(stats)] == [(3, 2), (6, 4)]

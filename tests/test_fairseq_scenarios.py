@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 import fairseq_fp16  # noqa: F401  (registers fp16_adam)
-from fairseq_fp16.optim.mixed_precision import MixedPrecisionFairseqOptimizer
+from conftest import plugin_optimizer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -37,7 +37,7 @@ def test_fairseqs_fp16_optimizer_scenario(device, optimizer):
     model = torch.nn.Linear(1, 1)
     model.weight.data, model.bias.data = torch.tensor([[3.0]]), torch.tensor([5.0])
     model.to(device).half()
-    opt = MixedPrecisionFairseqOptimizer(fairseq_test_config(optimizer), list(model.parameters()), "fp16")
+    opt = plugin_optimizer(fairseq_test_config(optimizer), list(model.parameters()), "fp16")
 
     opt.zero_grad()
     loss = torch.nn.L1Loss()(model(x), target)
@@ -67,7 +67,7 @@ def test_the_default_scale_window_follows_a_per_epoch_update_freq():
     cfg.optimization.update_freq = [1, 4]
     cfg.distributed_training = {"distributed_world_size": 2}
     model = torch.nn.Linear(2, 2).half()
-    opt = MixedPrecisionFairseqOptimizer(cfg, list(model.parameters()), "fp16")
+    opt = plugin_optimizer(cfg, list(model.parameters()), "fp16")
     assert opt.loss_scaler.scale_window == 2**14 // 2  # fairseq's 2**14 / world / update-freq
     opt.begin_epoch(2)
     assert opt.loss_scaler.scale_window == 2**14 // 8
@@ -78,7 +78,7 @@ def test_the_default_scale_window_follows_a_per_epoch_update_freq():
 def test_bf16_dynamic_scaling_has_a_ceiling():
     cfg = fairseq_test_config("adam")
     cfg.task = {"loss_scale": "0"}
-    opt = MixedPrecisionFairseqOptimizer(cfg, list(torch.nn.Linear(2, 2).bfloat16().parameters()), "bf16")
+    opt = plugin_optimizer(cfg, list(torch.nn.Linear(2, 2).bfloat16().parameters()), "bf16")
     assert opt.loss_scaler.dynamic and opt.loss_scaler.max_scale == 2.0**24
 
 
@@ -87,12 +87,22 @@ def test_the_scale_traces_update_count_continues_after_a_resume(tmp_path):
     cfg.task = {"scale_trace": str(tmp_path / "trace.jsonl")}
     cfg.checkpoint = {"save_dir": str(tmp_path)}
     model = torch.nn.Linear(2, 2).half()
-    opt = MixedPrecisionFairseqOptimizer(cfg, list(model.parameters()), "fp16")
+    opt = plugin_optimizer(cfg, list(model.parameters()), "fp16")
     for _ in range(3):
         opt.zero_grad()
         opt.backward(model(torch.ones(2).half()).float().sum())
         opt.clip_grad_norm(0)
         opt.step()
-    resumed = MixedPrecisionFairseqOptimizer(cfg, list(model.parameters()), "fp16")
+    resumed = plugin_optimizer(cfg, list(model.parameters()), "fp16")
     resumed.load_state_dict(opt.state_dict())
     assert resumed.diagnostics.attempt == opt.diagnostics.attempt == 3
+
+
+def test_the_wrapper_takes_the_runs_precision_not_a_name():
+    """The precision is parsed once, from the run's flags (Precision.from_cfg); a name would be
+    parsed again apart from them (its --loss-scale unread)."""
+    from fairseq_fp16.optim.mixed_precision import MixedPrecisionFairseqOptimizer
+
+    params = list(torch.nn.Linear(2, 2).half().parameters())
+    with pytest.raises(TypeError, match=r"precision must be a fairseq_fp16\.precision\.Precision, got 'fp16'"):
+        MixedPrecisionFairseqOptimizer(fairseq_test_config("adam"), params, "fp16")

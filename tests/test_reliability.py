@@ -19,9 +19,8 @@ import torch
 
 import fairseq_fp16  # noqa: F401
 from fairseq_fp16.core.master_weights import tag_param_names
-from fairseq_fp16.optim.mixed_precision import MixedPrecisionFairseqOptimizer
 
-from conftest import BIN, ROOT, TINY_MODEL, TRAIN, parse_json_records
+from conftest import BIN, ROOT, TINY_MODEL, TRAIN, parse_json_records, plugin_optimizer
 from test_diagnostics import fairseq_cfg
 
 FAULT_DIR = str(ROOT / "tests" / "fault_plugin")
@@ -80,8 +79,8 @@ def _assert_bitwise_equal(a, b, path="state"):
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_nan_loss_update_leaves_masters_and_optimizer_state_bit_identical(precision):
     model = _tiny_model().to(torch.float16 if precision == "fp16" else torch.bfloat16)
-    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=10), list(model.parameters()),
-                                         precision)
+    opt = plugin_optimizer(fairseq_cfg(max_consecutive_overflows=10), list(model.parameters()),
+                           precision)
     for _ in range(3):  # Adam moments and step counts are non-trivial
         opt.zero_grad()
         opt.backward(_loss(model))
@@ -110,14 +109,14 @@ def test_nan_loss_update_leaves_masters_and_optimizer_state_bit_identical(precis
 
 def test_consecutive_overflow_count_survives_a_checkpoint():
     model = _tiny_model()
-    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=5), list(model.parameters()), "fp16")
+    opt = plugin_optimizer(fairseq_cfg(max_consecutive_overflows=5), list(model.parameters()), "fp16")
     for _ in range(2):
         opt.zero_grad()
         opt.backward(_loss(model, poison=True))
         with pytest.raises(OverflowError):
             opt.clip_grad_norm(0.0)
     state = opt.state_dict()
-    again = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=5), list(model.parameters()), "fp16")
+    again = plugin_optimizer(fairseq_cfg(max_consecutive_overflows=5), list(model.parameters()), "fp16")
     again.load_state_dict(state)
     assert (again.consecutive_overflows, again.num_skipped, again.loss_scaler.loss_scale) == (2, 2, 32.0)
 
@@ -126,8 +125,8 @@ def test_consecutive_overflow_count_survives_a_checkpoint():
 def test_only_overflows_a_smaller_scale_cannot_fix_are_counted(loss_scale, counted):
     """Dynamic scale: gradient-only overflows are the scale search; a NaN loss counts. Static: all count."""
     model = _tiny_model()
-    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=10, loss_scale=loss_scale),
-                                         list(model.parameters()), "fp16")
+    opt = plugin_optimizer(fairseq_cfg(max_consecutive_overflows=10, loss_scale=loss_scale),
+                           list(model.parameters()), "fp16")
     seen = []
     for poison in (False, False, True):
         opt.zero_grad()
@@ -143,8 +142,8 @@ def test_a_static_scale_too_high_is_named_as_the_cause():
     """--loss-scale 1048576 under fp16: finite losses, every gradient overflows; the stop says
     the static scale is the cause and how to lower it."""
     model = _tiny_model()
-    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=2, loss_scale="1048576"),
-                                         list(model.parameters()), "fp16")
+    opt = plugin_optimizer(fairseq_cfg(max_consecutive_overflows=2, loss_scale="1048576"),
+                           list(model.parameters()), "fp16")
     opt.zero_grad()
     opt.backward(_loss(model))
     with pytest.raises(OverflowError, match="setting loss scale to: 1048576$"):
@@ -164,8 +163,8 @@ def test_a_norm_that_overflows_with_finite_gradients_is_named_as_the_cause(caplo
     blame, and the message says so instead of naming none."""
     caplog.set_level(logging.INFO, logger="fairseq_fp16.optim.mixed_precision")
     model = _tiny_model().bfloat16()
-    opt = MixedPrecisionFairseqOptimizer(fairseq_cfg(max_consecutive_overflows=2), list(model.parameters()),
-                                         "bf16")
+    opt = plugin_optimizer(fairseq_cfg(max_consecutive_overflows=2), list(model.parameters()),
+                           "bf16")
     for attempt in (1, 2):
         opt.zero_grad()
         for p in model.parameters():

@@ -36,9 +36,10 @@ from ..core.diagnostics import NonFiniteWatch, attribute_overflow
 from ..core.loss_scaler import LossScaler
 from ..core.master_weights import MixedPrecisionOptimizer
 from ..core.param_names import param_name
+from ..core.ranks import agree_on_every_rank, first_on_any_rank
 from .stock_state import STOCK_HALF, check_same_optimizer, describe_state, import_stock_state, stock_loss_scale
 from .traces import Diagnostics
-from ..precision import NAMES, Precision
+from ..precision import Precision
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +123,18 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
     Args:
         cfg: the full fairseq config (``optimizer``, ``common``, ``task``...).
         params: the model's trainable parameters, in the model's dtype.
-        precision: a :class:`~fairseq_fp16.precision.Precision` or its name.
+        precision: the run's :class:`~fairseq_fp16.precision.Precision` (the trainer patch
+            passes ``Precision.from_cfg(cfg)``).
+
+    Raises:
+        TypeError: when ``precision`` is not a Precision (a name would be parsed a second time,
+            apart from the run's flags).
     """
 
-    def __init__(self, cfg, params, precision) -> None:
+    def __init__(self, cfg, params, precision: Precision) -> None:
         super().__init__(cfg.optimizer)
         if not isinstance(precision, Precision):
-            if precision not in NAMES:
-                raise ValueError(f"precision must be one of {NAMES}, got {precision!r}")
-            precision = Precision.from_flags(precision == "fp16", precision == "bf16",
-                                             getattr(_section(cfg, "task"), "loss_scale", None))
+            raise TypeError(f"precision must be a fairseq_fp16.precision.Precision, got {precision!r}")
         self.precision = precision.name
         #: the --optimizer it wraps, recorded in checkpoints: a resume with another is refused
         self.optimizer_name = getattr(_section(cfg, "optimizer"), "_name", None)
@@ -394,14 +397,14 @@ class _MasterWeights:
         # Every rank is here on the same update (the all-reduced gradients overflowed on all of
         # them), so each decision below is taken over all ranks: a rank deciding alone would
         # stop while the others wait in the next all-reduce.
-        loss_finite = _on_every_rank(all(bool(torch.isfinite(t).all()) for t in self._losses),
+        loss_finite = agree_on_every_rank(all(bool(torch.isfinite(t).all()) for t in self._losses),
                                      self.loss_scaler.scale_tensor.device)
         if loss_finite and self.loss_scaler.dynamic:
             return
         self.owner.consecutive_overflows += 1
         if self.owner.consecutive_overflows < limit:
             return
-        first = _first_on_any_rank(self.watch.first if self.watch is not None else None)
+        first = first_on_any_rank(self.watch.first if self.watch is not None else None)
         if first is not None:
             cause = (
                 f"the forward pass is not finite: first {first['kind']} in the output of "
@@ -497,29 +500,3 @@ class _MasterWeights:
         if optimizer_overrides:
             for group in self.owner.param_groups:
                 group.update(optimizer_overrides)
-
-
-def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _on_every_rank(flag: bool, device: torch.device) -> bool:
-    """``flag`` and-ed over all ranks (one all-reduce; the caller is on every rank)."""
-    if not _distributed():
-        return flag
-    dist = torch.distributed
-    if dist.get_backend() == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
-
-
-def _first_on_any_rank(first):
-    """The first non-finite module seen by the lowest rank that saw one, on every rank."""
-    if not _distributed():
-        return first
-    seen = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(seen, first)
-    return next((f for f in seen if f is not None), None)

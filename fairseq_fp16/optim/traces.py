@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..core.diagnostics import LostUpdateMonitor, gradient_precision_stats
+from ..core.ranks import rank
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class Diagnostics:
         task = _group(cfg, "task")
         trace = getattr(task, "scale_trace", None)
         interval = int(getattr(task, "precision_stats_interval", 0) or 0)  # validated by the task
-        if (not trace and not interval) or _rank() != 0:
+        if (not trace and not interval) or rank() != 0:
             return None
         stats_file = getattr(task, "precision_stats", None) or os.path.join(
             cfg.checkpoint.save_dir, "precision_stats.jsonl")
@@ -104,7 +105,7 @@ class Diagnostics:
             return
         record = {
             # the rank that wrote it: 0 (kept for the readers of older traces, which every rank wrote)
-            "rank": _rank(),
+            "rank": rank(),
             **self._counts(opt),
             "loss_scale": opt.loss_scaler.loss_scale,
             "overflow": overflow,
@@ -168,11 +169,6 @@ def _group(cfg, name: str):
         return getattr(cfg, name, None)
     except Exception:  # omegaconf's missing-key errors
         return None
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def summarize(stats: Dict[str, Dict]) -> str:

@@ -40,7 +40,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 
 import fairseq_fp16  # noqa: F401  (registers the plugin; installs its patches)
 from fairseq_fp16.patches import REGISTRY
-from fairseq_fp16.optim.traces import _rank
+from fairseq_fp16.core.ranks import rank
 
 
 @dataclass
@@ -62,7 +62,7 @@ class FaultyCriterion(LabelSmoothedCrossEntropyCriterion):
         self.fault, self.fault_at, self.fault_every = fault, fault_at, fault_every
         self.fault_module, self.fault_factor = fault_module, fault_factor
         self.fault_rank = fault_rank
-        self.rank = _rank()  # built after the distributed start-up; the group is gone at exit
+        self.rank = rank()  # built after the distributed start-up; the group is gone at exit
         self.forwards = 0
         self.model = None
         if os.environ.get("FAULT_DUMP_DIR"):
