@@ -485,8 +485,10 @@ def provenance_note(data: Sequence, root: Path) -> str:
         if changed:
             stale.append(label(p))
         unknown = unknown or changed is None
-    versions = (f"torch {', '.join(_unique(p.get('torch') for p in records)) or 'unknown'}, "
-                f"CUDA {', '.join(_unique(p.get('cuda') for p in records)) or 'unknown'}")
+    torches, cudas = _unique(p.get("torch") for p in records), _unique(p.get("cuda") for p in records)
+    cpu_only = bool(torches) and all(t.endswith("+cpu") for t in torches)  # a CPU build has no CUDA
+    versions = (f"torch {', '.join(torches) or 'unknown'}, "
+                + ("no CUDA" if cpu_only and not cudas else f"CUDA {', '.join(cudas) or 'unknown'}"))
     if stale:
         verdict = f"stale: {PLUGIN}/ changed since {' and '.join(_unique(stale))}"
     elif unknown:

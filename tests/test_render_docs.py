@@ -104,6 +104,11 @@ def test_a_registry_entry_renders_only_from_its_json(tmp_path):
                     "The data records no commit.*\n\n| a |\n|---|\n| 1.5 |\n\n<!-- /table -->")
 
 
+def test_a_cpu_benchmark_note_says_no_cuda():
+    record = {"commit": "a" * 40, "changed": [], "torch": "2.13.0+cpu", "cuda": None}
+    assert "(torch 2.13.0+cpu, no CUDA)" in render_docs.provenance_note([{"provenance": record}], ROOT)
+
+
 def test_every_table_names_the_commits_its_data_records(tmp_path):
     """A results file's own provenance, or verdict.json's list of its runs' (one result.json
     without any)."""
