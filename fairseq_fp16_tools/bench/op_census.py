@@ -40,6 +40,7 @@ counted (fairseq_fp16_tools/provenance.py).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -316,6 +317,30 @@ AS_ON_CUDA = {"--half-matmul": "native", "--attention-path": "torch", "--cpu-len
               "--fused-loss": "stream"}
 
 
+@contextlib.contextmanager
+def step_marked(census: OpCensus, optimizer):
+    """While open, ``optimizer.step`` runs with ``census.in_step`` set (its operators count as
+    the ``step`` phase); the optimizer's own ``step`` is put back on exit."""
+    own_step = vars(optimizer).get("step")  # an instance's own step, put back after
+    opt_step = optimizer.step
+
+    def marked_step(*a, **k):
+        census.in_step = True
+        try:
+            return opt_step(*a, **k)
+        finally:
+            census.in_step = False
+
+    optimizer.step = marked_step
+    try:
+        yield
+    finally:
+        if own_step is None:
+            del optimizer.step  # the class's method again
+        else:
+            optimizer.step = own_step
+
+
 #: what an update was: applied or skipped for overflow, and whether it began with the
 #: plugin's non-finite watch armed (the update after an overflow)
 KINDS = ("applied", "overflowed", "armed_applied", "armed_overflowed")
@@ -345,25 +370,10 @@ class UpdatesByKind(UpdateWindow):
             watch = getattr(optimizer, "watch", None)
             armed = watch is not None and watch.armed
             skipped = getattr(optimizer, "num_skipped", 0)
-            own_step = vars(optimizer).get("step")  # an instance's own step, put back after
-            opt_step = optimizer.step
-
-            def marked_step(*a, **k):
-                census.in_step = True
-                try:
-                    return opt_step(*a, **k)
-                finally:
-                    census.in_step = False
-
-            optimizer.step = marked_step
             try:
-                with census:
+                with step_marked(census, optimizer), census:
                     return step(*args, **kwargs)
             finally:
-                if own_step is None:
-                    del optimizer.step  # the class's method again
-                else:
-                    optimizer.step = own_step
                 if census.counting:
                     overflowed = getattr(optimizer, "num_skipped", 0) > skipped
                     kind = ("armed_" if armed else "") + ("overflowed" if overflowed else "applied")

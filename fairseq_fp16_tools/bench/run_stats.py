@@ -293,7 +293,7 @@ class UpdateCensus(UpdateWindow):
         self.census = None
 
     def wrap(self, trainer, step):
-        from .op_census import OpCensus
+        from .op_census import OpCensus, step_marked
 
         def train_step(*args, **kwargs):
             # every update runs under the census (its fp32 products keep CPU half runs fast);
@@ -307,26 +307,11 @@ class UpdateCensus(UpdateWindow):
             if counting and watch is not None and watch.armed:
                 self.skipped += 1
                 counting = False
-            own_step = vars(optimizer).get("step")  # an instance's own step, put back after
-            opt_step = optimizer.step
-
-            def marked_step(*a, **k):
-                self.census.in_step = True
-                try:
-                    return opt_step(*a, **k)
-                finally:
-                    self.census.in_step = False
-
-            optimizer.step = marked_step
             self.census.counting = counting
             try:
-                with self.census:
+                with step_marked(self.census, optimizer), self.census:
                     return step(*args, **kwargs)
             finally:
-                if own_step is None:
-                    del optimizer.step  # the class's method again
-                else:
-                    optimizer.step = own_step
                 self.census.counting = False
                 if counting:
                     self.counted += 1
