@@ -61,6 +61,17 @@ def _run_state_restored():
         run_info._PATH = path
 
 
+@contextlib.contextmanager
+def _quiet():
+    """fairseq's INFO logs off (it logs each update and its whole config)."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def fairseq_train(args: Sequence[str], stock: bool = False, on_load: Optional[Callable] = None) -> None:
     """``fairseq-train ARGS`` in this process; ``stock``: without the plugin's patches (ARGS then
     name no --user-dir); ``on_load(trainer, extra_state)`` runs once the checkpoint (if any) is
@@ -70,26 +81,17 @@ def fairseq_train(args: Sequence[str], stock: bool = False, on_load: Optional[Ca
         if stock:
             stack.enter_context(_stock_fairseq())
         stack.enter_context(_on_load(on_load))
-        previous = logging.root.manager.disable
-        logging.disable(logging.INFO)  # fairseq logs each update and its whole config
-        try:
-            parser = options.get_training_parser()
-            cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, input_args=[str(a) for a in args]))
-            train_cli.main(cfg)
-        finally:
-            logging.disable(previous)
+        stack.enter_context(_quiet())
+        parser = options.get_training_parser()
+        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, input_args=[str(a) for a in args]))
+        train_cli.main(cfg)
 
 
 def fairseq_generate(args: Sequence[str]) -> str:
     """``fairseq-generate ARGS`` in this process; returns what it prints (the S-, T-, H- and P-
     lines and the BLEU line)."""
     out = io.StringIO()
-    with _run_state_restored(), contextlib.redirect_stdout(out):
-        previous = logging.root.manager.disable
-        logging.disable(logging.INFO)
-        try:
-            parser = options.get_generation_parser()
-            generate_cli.main(options.parse_args_and_arch(parser, input_args=[str(a) for a in args]))
-        finally:
-            logging.disable(previous)
+    with _run_state_restored(), contextlib.redirect_stdout(out), _quiet():
+        parser = options.get_generation_parser()
+        generate_cli.main(options.parse_args_and_arch(parser, input_args=[str(a) for a in args]))
     return out.getvalue()
