@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY_MODEL, TRAIN, USER_DIR
-from fairseq_fp16_tools.bench.profile_summary import classify, summarize_trace, table
+from fairseq_fp16_tools.bench.profile_summary import classify, cpu_table, summarize_trace, table
 
 
 def ev(cat, name, ts, dur):
@@ -100,3 +100,22 @@ def test_run_stats_refuses_a_bad_profile_window(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "--profile-updates FIRST:COUNT needs FIRST >= 1 and COUNT >= 1, got 0:3" in proc.stderr
+
+
+def test_a_cpu_trace_is_broken_down_by_the_operators_self_time():
+    """Self time is an operator's time less its callees'; the class comes from the operator and
+    the ranges around it (fairseq's optimizer range, the fused loss's function)."""
+    trace = {"traceEvents": [
+        ev("user_annotation", "forward", 0, 1000),
+        ev("cpu_op", "aten::linear", 0, 500), ev("cpu_op", "aten::addmm", 0, 400),
+        ev("cpu_op", "aten::bernoulli_", 500, 200), ev("cpu_op", "aten::copy_", 700, 100),
+        ev("user_annotation", "optimizer", 1000, 300), ev("cpu_op", "aten::_fused_adamw_", 1000, 300),
+        ev("cpu_op", "_CacheChunks", 1300, 200), ev("cpu_op", "aten::exp", 1300, 100),
+        ev("cpu_op", "aten::native_layer_norm", 1500, 50),
+    ]}
+    out = summarize_trace(trace, 1, 2.5, [2.0])
+    assert out["cpu_ms"] == {"products": 0.4, "copies": 0.1, "dropout": 0.2, "norm/softmax": 0.05,
+                             "elementwise": 0.1, "loss": 0.2, "step": 0.3, "framework": 0.65}
+    assert out["products_frac"] == 0.2
+    assert out["top_cpu_self"][0] == ["products", "aten::addmm", 1.0, 0.4]
+    assert "framework" in cpu_table({"bf16": out}) and "20%" in cpu_table({"bf16": out})

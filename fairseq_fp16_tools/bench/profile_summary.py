@@ -20,7 +20,11 @@
   ``top_host_ops``: the :data:`TOP` most frequent host operators (``aten::...``), each
   ``[name, calls per update, host ms per update]``: what to fuse or drop first.
 
-On a CPU run the trace has no device events: the device fields are None.
+On a CPU run the trace has no device events: the device fields are None, and ``cpu_ms`` says
+where the CPU's time goes instead: each operator's self time (its time less that of the
+operators it called) per update, by :func:`cpu_class` (:data:`CPU_CLASSES`), with
+``framework`` the rest of the train steps' wall time (Python, dispatch, the profiler's own
+cost); ``products_frac``: the products' share of the train steps' wall time.
 """
 
 import json
@@ -38,6 +42,21 @@ CLASSES: List[Tuple[str, str]] = [
     ("elementwise/other", r""),
 ]
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+#: CPU time classes (:func:`cpu_class`), in the order of the table's columns
+CPU_CLASSES = ("products", "copies", "dropout", "norm/softmax", "elementwise", "loss", "step",
+               "framework")
+#: fairseq's trainer's ranges around the optimizer's work (``record_function``)
+STEP_RANGES = {"reduce-grads", "multiply-grads", "clip-grads", "optimizer"}
+#: the loss: fairseq's log-softmax and NLL and their backward, the plugin's fused loss
+LOSS = re.compile(r"log_softmax|logsoftmax|nll_loss|nllloss|cross_entropy|_cachechunks|"
+                  r"_streamchunks|_compiledchunks")
+DROPOUT = re.compile(r"bernoulli|dropout")
+PRODUCTS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|mv|addmv|dot|convolution|"
+                      r"_convolution|mkldnn_\w+|_scaled_dot_product\w*|conv_tbc\w*)$")
+COPIES = re.compile(r"^aten::(copy_|_to_copy|clone|contiguous|cat|stack|_foreach_copy_|"
+                    r"index_select|embedding\w*|fill_|zero_|_unsafe_view)$")
+NORMS = re.compile(r"^aten::(native_layer_norm\w*|_softmax\w*|softmax|native_group_norm\w*|"
+                   r"_fused_rms_norm\w*|native_batch_norm\w*)$")
 TOP = 15
 LAUNCH = re.compile(r"^(cuda|cu)LaunchKernel|^cudaLaunchCooperativeKernel|^cuLaunchKernelEx")
 SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$")
@@ -81,6 +100,10 @@ def summarize_trace(trace: Dict, updates: int, window_ms: float,
         label = classify(e.get("name", ""), e.get("cat", ""))
         by_class[label] = by_class.get(label, 0.0) + e["dur"] / 1000.0
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    cpu_ms, products_frac, top_self = None, None, None
+    if not device and step_ms:
+        cpu_ms, top_self = cpu_breakdown(events, updates, sum(step_ms) / updates)
+        products_frac = round(cpu_ms["products"] / (sum(step_ms) / updates), 4)
     launches = sum(1 for e in runtime if LAUNCH.search(e.get("name", "")))
     sync_ms = sum(e["dur"] for e in runtime if SYNC.search(e.get("name", ""))) / 1000.0
     wall = window_ms / updates
@@ -94,6 +117,9 @@ def summarize_trace(trace: Dict, updates: int, window_ms: float,
         "gpu_busy_ms": None,
         "gpu_idle_frac": None,
         "kernel_ms": None,
+        "cpu_ms": cpu_ms,
+        "products_frac": products_frac,
+        "top_cpu_self": top_self,
         "device_kernels": len(device) // updates,
         "top_kernels": _top(device, updates, key=2),
         "top_host_ops": _top([e for e in events if e.get("cat") == "cpu_op"
@@ -105,6 +131,68 @@ def summarize_trace(trace: Dict, updates: int, window_ms: float,
         out["gpu_idle_frac"] = round(max(0.0, 1.0 - busy / wall), 4)
         out["kernel_ms"] = {k: round(by_class.get(k, 0.0) / updates, 3) for k, _ in CLASSES}
     return out
+
+
+def cpu_class(name: str, ranges: Iterable[str]) -> str:
+    """The class of a CPU operator ``name`` run inside the ranges ``ranges`` (the names of the
+    events enclosing it: fairseq's ``record_function`` ranges, autograd's backward nodes, custom
+    functions): the step (inside the trainer's optimizer ranges), the loss or dropout (by the
+    operator's or an enclosing range's name), else by the operator: products, copies and
+    casts, norms and softmax, the rest elementwise."""
+    ranges = list(ranges)
+    if STEP_RANGES.intersection(ranges):
+        return "step"
+    names = [name.lower()] + [r.lower() for r in ranges]
+    if any(LOSS.search(n) for n in names):
+        return "loss"
+    if any(DROPOUT.search(n) for n in names):
+        return "dropout"
+    for label, pattern in (("products", PRODUCTS), ("copies", COPIES), ("norm/softmax", NORMS)):
+        if pattern.match(name):
+            return label
+    return "elementwise"
+
+
+def cpu_breakdown(events: List[Dict], updates: int, step_wall_ms: float):
+    """(ms per update by :data:`CPU_CLASSES` of the CPU operators' self times, with
+    ``framework`` the train steps' wall time per update ``step_wall_ms`` less all of them;
+    the :data:`TOP` (class, operator) pairs by self time, each ``[class, name, calls per update,
+    ms per update]``)."""
+    spans = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
+    spans.sort(key=lambda e: (e.get("tid", 0), e["ts"], -e["dur"]))
+    totals = {k: 0.0 for k in CPU_CLASSES}
+    by_op: Dict[Tuple[str, str], List[float]] = {}
+    stack: List[List] = []  # [event, time of its children], the enclosing events
+    tid = None
+
+    def close(item):
+        event, children = item
+        if event.get("cat") == "cpu_op":
+            name = event.get("name", "")
+            label = cpu_class(name, (e.get("name", "") for e, _ in stack))
+            own = max(0.0, event["dur"] - children)
+            totals[label] += own
+            acc = by_op.setdefault((label, name[:120]), [0, 0.0])
+            acc[0] += 1
+            acc[1] += own
+
+    for e in spans:
+        if e.get("tid", 0) != tid:
+            while stack:
+                close(stack.pop())
+            tid = e.get("tid", 0)
+        while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+            close(stack.pop())
+        if stack:
+            stack[-1][1] += e["dur"]
+        stack.append([e, 0.0])
+    while stack:
+        close(stack.pop())
+    out = {k: round(v / 1000.0 / updates, 3) for k, v in totals.items()}
+    out["framework"] = round(max(0.0, step_wall_ms - sum(out.values())), 3)
+    top = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return out, [[label, name, round(n / updates, 1), round(us / 1000.0 / updates, 3)]
+                 for (label, name), (n, us) in top]
 
 
 def _top(events, updates: int, key: int) -> List[list]:
@@ -142,6 +230,18 @@ def table(profiles: Dict[str, Dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(profiles: Dict[str, Dict]) -> str:
+    """One line per CPU run: ms per update by :data:`CPU_CLASSES` and the products' share."""
+    head = f"{'run':22s} {'wall ms':>8s} " + " ".join(f"{c:>12.12s}" for c in CPU_CLASSES) + "  products"
+    lines = [head]
+    for name, p in profiles.items():
+        cpu = p.get("cpu_ms")
+        if cpu:
+            lines.append(f"{name:22s} {p['wall_ms']:8.1f} " + " ".join(f"{cpu[c]:12.1f}" for c in CPU_CLASSES)
+                         + f"  {p['products_frac']:8.0%}")
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
 def main(argv=None) -> int:
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
@@ -153,5 +253,8 @@ def main(argv=None) -> int:
             data = json.load(fh)
         profiles[data.get("name") or path] = data
     print(table(profiles))
+    cpu = cpu_table(profiles)
+    if cpu:
+        print("\nCPU time per update (ms, operators' self time):\n" + cpu)
     return 0
 
