@@ -6,10 +6,11 @@ those methods and calls these functions:
 
 * :func:`prepare_model`: parameter names recorded (diagnostics, ``--no-decay-params``), fp32
   islands (norms, ``--fp32-modules``), the attention path (``--attention-path``; cuDNN's
-  attention off for half precision on CUDA), ``--compile-layers``;
+  attention off for half precision on CUDA), the CPU's dropout masks (``--cpu-dropout``),
+  ``--compile-layers``;
 * :func:`fused_criterion`: the fused fp32 loss for half runs (``--fused-loss``);
 * :class:`TaskState` (:func:`task_state`): the CPU matrix-product mode (``--half-matmul``) the
-  steps run in; :func:`native_products_check`, the first steps' count of half products left on
+  steps run in; :func:`cpu_autocast`, ``--amp`` on the CPU as torch's bf16 autocast; :func:`native_products_check`, the first steps' count of half products left on
   native kernels; :func:`divergence_due` / :func:`measure_divergence`,
   ``--precision-divergence-interval``;
 * :func:`generation_models`: ``--bf16`` generation casts the models to bf16 (stock
@@ -29,17 +30,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import wraps
+from typing import Optional
 
 import torch
 from fairseq.data import data_utils
+from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from .core.buckets import BucketedBatching, parse_length_buckets
 from .core.compile import compile_training_forward
 from .core.divergence import forward_divergence, summarize_divergence
+from .core.dropout import AUTO_MIN_NUMEL, counter_dropout_available
 from .core.fp32_islands import apply_fp32_islands
 from .core.fused_loss import PATHS as FUSED_LOSS_PATHS
 from .core.half_matmul import NativeHalfProducts, resolve_half_matmul
@@ -51,7 +55,8 @@ from .precision import Precision, current
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TaskState", "avoid_cudnn_attention", "bucket_training_batches", "divergence_due",
+__all__ = ["COUNTER_MASKS", "TaskState", "avoid_cudnn_attention", "bucket_training_batches",
+           "cpu_autocast", "cpu_dropout_masks", "divergence_due",
            "first_epoch_order", "fused_criterion", "generation_models", "measure_divergence",
            "native_products_check", "prepare_model", "repair_ngram_blocker", "task_flag",
            "task_precision", "task_state"]
@@ -101,6 +106,7 @@ class TaskState:
             and resolve_half_matmul(str(task_flag(task, "half_matmul", "auto")), precision.dtype))
         self.checked_steps = set()  # steps whose native half products were counted
         self.divergence_done = None  # the update whose forward divergence was measured
+        self.amp_logged = False  # cpu_autocast said what --amp does on the CPU
         half_matmul = None
         if precision.is_half and precision.on_cpu:
             half_matmul = "{} (--half-matmul {})".format(
@@ -145,7 +151,8 @@ def prepare_model(task, model):
         logger.info("attention: %s (--attention-path %s)", "fairseq's own, softmax in fp32"
                     if path == "fairseq" else "torch's fused multi_head_attention_forward", choice)
     run_info.record(attention=path if attentions else None,
-                    compile_layers=bool(task_flag(task, "compile_layers", False)))
+                    compile_layers=bool(task_flag(task, "compile_layers", False)),
+                    cpu_dropout=cpu_dropout_masks(task, model))
     if task_flag(task, "compile_layers", False):
         layers = [m for m in model.modules()
                   if isinstance(m, (TransformerEncoderLayerBase, TransformerDecoderLayerBase))]
@@ -159,6 +166,40 @@ def prepare_model(task, model):
                     else "; --cuda-graphs: no CUDA graphs on the CPU" if precision.on_cpu
                     else "; run as CUDA graphs, one recorded per batch shape (--cuda-graphs)")
     return model
+
+
+#: the attribute of a FairseqDropout module that turns its counter-based masks on: the fewest
+#: elements a tensor takes them (:mod:`fairseq_fp16.patches.dropout`); absent or None: torch's
+COUNTER_MASKS = "counter_min_numel"
+
+
+def cpu_dropout_masks(task, model) -> Optional[str]:
+    """``--cpu-dropout``: counter-based masks for the ``FairseqDropout`` modules of a model
+    trained on the CPU (:mod:`fairseq_fp16.patches.dropout`): ``counter`` on every tensor,
+    ``auto`` on tensors of at least :data:`~fairseq_fp16.core.dropout.AUTO_MIN_NUMEL` elements
+    where the kernel compiles (tried at the first such tensor). Returns the choice, None without
+    dropout modules or off the CPU.
+
+    Raises:
+        ValueError: ``--cpu-dropout counter`` where torch.compile cannot build the kernel.
+    """
+    dropouts = [m for m in model.modules() if isinstance(m, FairseqDropout)]
+    precision = task_state(task).precision
+    if not dropouts or not precision.on_cpu:
+        return None
+    choice = str(task_flag(task, "cpu_dropout", "auto"))
+    if choice == "counter" and not counter_dropout_available(precision.dtype):
+        raise ValueError("--cpu-dropout counter: torch.compile cannot build the counter-based "
+                         "mask on this machine (the warning above says why); use --cpu-dropout "
+                         "torch")
+    min_numel = {"auto": AUTO_MIN_NUMEL, "counter": 0}.get(choice)
+    for module in dropouts:
+        setattr(module, COUNTER_MASKS, min_numel)
+    logger.info("dropout on the CPU (--cpu-dropout %s): %s", choice, {
+        "auto": f"counter-based masks for tensors of {AUTO_MIN_NUMEL:,} elements or more, "
+                "torch's for smaller ones",
+        "counter": "counter-based masks", "torch": "torch's masks"}[choice])
+    return choice
 
 
 # ------------------------------------------------------------------------------ the criterion
@@ -192,6 +233,23 @@ def fused_criterion(task, criterion, cfg):
 
 
 # ---------------------------------------------------------------------------------- the steps
+def cpu_autocast(state: TaskState, optimizer):
+    """``--amp`` on the CPU: the training step under ``torch.autocast("cpu", torch.bfloat16)``
+    (fp32 weights; the products in bf16, the operators autocast lists in fp32; the backward
+    pass's operators in the dtypes of the forward's). fairseq's step enters CUDA's autocast
+    only, which is off without CUDA, so ``--amp --cpu`` trained in fp32; its GradScaler stays
+    off on the CPU, which bf16 does not need. A null context otherwise."""
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+
+    if not (isinstance(optimizer, AMPOptimizer) and state.precision.on_cpu):
+        return nullcontext()
+    if not state.amp_logged:
+        state.amp_logged = True
+        logger.info("--amp on the CPU: the training step under torch.autocast('cpu', "
+                    "torch.bfloat16); fp32 weights, no loss scaling")
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
 @contextmanager
 def native_products_check(state: TaskState, step: str):
     """The first training (generation) step under fp32 accumulation counts the half products

@@ -33,13 +33,14 @@ from .precision import EXCLUSIVE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_PATHS", "DIAGNOSTICS_FILES", "GROUP", "FairseqValues", "PrecisionFlags",
+__all__ = ["ATTENTION_PATHS", "CPU_DROPOUT", "DIAGNOSTICS_FILES", "GROUP", "FairseqValues", "PrecisionFlags",
            "add_precision_group", "flag", "resolve_attention_path", "task_config",
            "validate_precision_flags", "with_precision_flags"]
 
 #: the title of the flags' argument group in ``--help``
 GROUP = "fairseq_fp16: mixed precision"
 ATTENTION_PATHS = ("auto", "torch", "fairseq")
+CPU_DROPOUT = ("auto", "counter", "torch")
 
 
 @dataclass
@@ -102,6 +103,18 @@ class PrecisionFlags(FairseqDataclass):
             "probabilities; fairseq sends encoder-decoder attention down its own path anyway); "
             "fairseq = fairseq's own attention, softmax in fp32, B*H*T^2 probabilities kept for "
             "the backward. auto: fairseq for half-precision runs on the CPU, else torch"
+        },
+    )
+    cpu_dropout: ChoiceEnum(list(CPU_DROPOUT)) = field(  # type: ignore[valid-type]
+        default="auto",
+        metadata={
+            "help": "dropout masks of a model trained on the CPU: counter = each element's "
+            "keep decision hashed from its index and a seed drawn from torch's generator, the "
+            "mask, scaling and rounding in one compiled pass (torch.compile) and recomputed in "
+            "the backward pass instead of kept; torch = torch's bernoulli_ masks (a hundred "
+            "times slower on large tensors). auto: counter for tensors of 32,768 elements or "
+            "more where torch.compile can build it, torch's for smaller ones. CUDA is never "
+            "affected"
         },
     )
     compile_layers: bool = field(
@@ -168,6 +181,7 @@ class FairseqValues(FairseqDataclass):
 
     fp16: bool = II("common.fp16")
     bf16: bool = II("common.bf16")
+    amp: bool = II("common.amp")
     cpu: bool = II("common.cpu")
     fp16_init_scale: int = II("common.fp16_init_scale")
     fp16_scale_window: Optional[int] = II("common.fp16_scale_window")
@@ -264,6 +278,11 @@ def validate_precision_flags(cfg) -> None:
     fp16, bf16 = bool(flag(cfg, "fp16", False)), bool(flag(cfg, "bf16", False))
     if fp16 and bf16:
         raise ValueError(EXCLUSIVE)
+    if bool(flag(cfg, "amp", False)) and (fp16 or bf16):
+        raise ValueError(f"--amp and {'--fp16' if fp16 else '--bf16'} are exclusive: --amp keeps "
+                         "fp32 weights and runs the forward under torch.autocast (bf16 on the CPU), "
+                         f"{'--fp16' if fp16 else '--bf16'} casts the model and keeps fp32 master "
+                         "weights; pick one")
     loss_scale = flag(cfg, "loss_scale")
     scale = parse_loss_scale(loss_scale)
     hysteresis = _value(cfg, "loss_scale_hysteresis", 1)

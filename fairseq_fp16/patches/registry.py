@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 __all__ = ["GROUPS", "REGISTRY", "Patch", "Registry", "original"]
 
 #: repair: fairseq 0.12 failing or misbehaving on today's torch, Python or a CPU;
-#: precision: what the plugin's mixed-precision features need from fairseq.
+#: precision: what the plugin's features (mixed precision and its speed) need from fairseq.
 GROUPS = ("repair", "precision")
 _MISSING = object()
 

@@ -15,6 +15,7 @@ from typing import Optional
 from ..core.half_matmul import half_matmul_context
 from ..features import (
     bucket_training_batches,
+    cpu_autocast,
     divergence_due,
     first_epoch_order,
     fused_criterion,
@@ -53,7 +54,7 @@ def _train_step(self, sample, model, criterion, optimizer, update_num, ignore_gr
     with half_matmul_context(state.fp32_accumulate):
         if divergence_due(self, state, sample, optimizer, update_num, ignore_grad):
             measure_divergence(self, state, sample, model, optimizer, update_num)
-        with native_products_check(state, "training step"):
+        with native_products_check(state, "training step"), cpu_autocast(state, optimizer):
             return _original(f"{BASE}.train_step")(self, sample, model, criterion, optimizer,
                                                    update_num, ignore_grad)
 

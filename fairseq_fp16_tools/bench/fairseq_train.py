@@ -4,8 +4,11 @@
                                           [--task-args "--task NAME ..."]
 
 Without DATA_BIN the synthetic corpus (scripts/make_toy_corpus.py) is built in a
-temporary folder. Modes: fp32, tf32 (CUDA: TF32 products), fp16 / bf16 (the
-plugin, --half-matmul auto), their -native / -fp32acc variants, bf16-cache1024
+temporary folder. Modes: fp32-stock (stock fairseq in fp32: no plugin, fairseq's adam), fp32,
+tf32 (CUDA: TF32 products), fp16 / bf16 (the plugin, --half-matmul auto), their -native /
+-fp32acc variants, amp / amp-compiled (--amp: torch's autocast with fp32 weights, fp16 and
+fairseq's GradScaler on CUDA, bf16 on the CPU; with --compile-layers), fp32-torch-dropout /
+bf16-torch-dropout (--cpu-dropout torch: torch's bernoulli_ masks), bf16-cache1024
 (--cpu-kernel-cache 1024: torch's default kernel-cache sizes), bf16-unpadded
 (--cpu-length-multiple 1: batch lengths as they are, where auto pads them on a CPU
 with AMX), bf16-padded (--cpu-length-multiple 8: the AMX default, on any CPU),
@@ -70,6 +73,7 @@ from ..provenance import describe
 
 # (flags, plugin?, extra environment)
 MODES = {
+    "fp32-stock": [],  # stock fairseq: no --user-dir, task translation, optimizer adam
     "fp32": [],
     "tf32": [],  # fp32 with TF32 tensor-core products (CUDA; env below)
     "fp16-stock": ["--fp16"],  # stock fairseq: no --user-dir, task translation, optimizer adam
@@ -78,6 +82,13 @@ MODES = {
     "fp16-fp32acc": ["--fp16", "--half-matmul", "fp32-accumulate"],
     "bf16": ["--bf16"],
     "bf16-native": ["--bf16", "--half-matmul", "native"],
+    # torch's autocast: fp32 weights (CUDA: fairseq's --amp, fp16 with its GradScaler; the CPU:
+    # the plugin's bf16 autocast), eager and with the layers compiled
+    "amp": ["--amp"],
+    "amp-compiled": ["--amp", "--compile-layers"],
+    # dropout masks of torch's bernoulli_ (the plugin's CPU default: counter-based masks)
+    "fp32-torch-dropout": ["--cpu-dropout", "torch"],
+    "bf16-torch-dropout": ["--bf16", "--cpu-dropout", "torch"],
     "bf16-fp32acc": ["--bf16", "--half-matmul", "fp32-accumulate"],
     "bf16-cache1024": ["--bf16", "--cpu-kernel-cache", "1024"],  # torch's own cache sizes
     # batch lengths (--cpu-length-multiple; auto pads where the products run on AMX tiles)
@@ -102,7 +113,7 @@ MODES = {
     "fp16-graphs": ["--fp16", "--compile-layers", "--cuda-graphs", "--length-buckets", "auto"],
     "bf16-graphs": ["--bf16", "--compile-layers", "--cuda-graphs", "--length-buckets", "auto"],
 }
-STOCK = {"fp16-stock"}
+STOCK = {"fp16-stock", "fp32-stock"}
 LOG_INTERVAL = 5  # fairseq's --log-interval in every run: the intervals the figures come from
 ENV = {"tf32": {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}}
 MODEL = ("--arch transformer --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 "
