@@ -308,6 +308,61 @@ def gpu_batch_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                      "GPU idle (profile)"], rows)
 
 
+def _corpus(path: str) -> str:
+    return Path(path).stem
+
+
+def cpu_goal_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """bench_fairseq_train.py runs of the CPU goal (one per corpus): words/s against stock
+    fairseq's fp32 and the plugin's, peak memory, and the products' share of the profiled
+    update."""
+    rows = []
+    for d, path in zip(data, paths):
+        wps, mem, ms, profiles = d["words_per_s"], d["peak_mb"], d["ms_per_update"], d.get("profiles", {})
+        for mode in ms:
+            frac = (profiles.get(mode) or {}).get("products_frac")
+            rows.append([_corpus(path), mode, num(ms[mode], 0), thousands(wps[mode]),
+                         ratio(wps[mode] / wps["fp32-stock"]), ratio(wps[mode] / wps["fp32"]),
+                         thousands(mem[mode]), ratio(mem[mode] / mem["fp32-stock"]),
+                         "-" if frac is None else f"{frac:.0%}"])
+    return md_table(["corpus", "mode", "ms/update", "words/s", "x stock fp32", "x plugin fp32",
+                     "peak RSS MB", "x stock fp32", "products' share"], rows)
+
+
+def cpu_profile_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """The profiled updates of the CPU goal's runs: ms per update by class
+    (bench/profile_summary.py's ``cpu_ms``)."""
+    from .bench.profile_summary import CPU_CLASSES
+
+    rows = []
+    for d, path in zip(data, paths):
+        for mode, p in (d.get("profiles") or {}).items():
+            cpu = p.get("cpu_ms")
+            if cpu:
+                rows.append([_corpus(path), mode, num(p["wall_ms"], 0)] + [num(cpu[c], 0) for c in CPU_CLASSES])
+    return md_table(["corpus", "mode", "wall"] + list(CPU_CLASSES), rows)
+
+
+def product_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bench_half_matmul.py --products: TFLOP/s per kernel choice and shape."""
+    (d,) = data
+    shapes = list(next(iter(d["tflops"].values())))
+    rows = [[name] + [num(v[s], 3) for s in shapes] + [ratio(v[shapes[-1]] / d["tflops"]["fp32"][shapes[-1]])]
+            for name, v in d["tflops"].items()]
+    return md_table(["kernel"] + [f"{s}, TFLOP/s" for s in shapes] + [f"x fp32 ({shapes[-1]})"], rows)
+
+
+def dropout_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bench_dropout.py: torch's masks against the counter-based ones, per dtype and size."""
+    (d,) = data
+    rows = [[dtype, f"{r['numel']:,}", num(r["torch_fwd_ms"], 3), num(r["counter_fwd_ms"], 3),
+             num(r["torch_fwd_bwd_ms"], 3), num(r["counter_fwd_bwd_ms"], 3), ratio(r["speedup_fwd_bwd"]),
+             num(r["mul_ms"], 3)]
+            for dtype, results in d["results"].items() for r in results]
+    return md_table(["dtype", "elements", "torch fwd ms", "counter fwd ms", "torch fwd+bwd ms",
+                     "counter fwd+bwd ms", "speed-up", "x * x ms"], rows)
+
+
 def optimizer_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/bench_optimizer.py on each machine."""
     rows = []
@@ -586,6 +641,19 @@ TABLES: Dict[str, Table] = {
     "master-grads": Table(tuple(f"{BENCH}/avx512-epyc/master-grads/{n}.json" for n in ("before", "after")),
                           "python scripts/bench_fairseq_train.py data/debian-ende/bin --modes fp32,fp16,bf16 "
                           "--updates 10 (before and after the change)", before_after_rows),
+    "cpu-goal": Table(tuple(f"{BENCH}/avx512-epyc/cpu_goal/{n}.json" for n in ("short", "long")),
+                      "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,fp32,bf16,fp16,"
+                      "amp,amp-compiled --updates 10 --warmup 5 --profile-dir DIR --model \"--arch "
+                      "transformer --share-all-embeddings --max-tokens 4096\"", cpu_goal_rows,
+                      provenance=True),
+    "cpu-profile": Table(tuple(f"{BENCH}/avx512-epyc/cpu_goal/{n}.json" for n in ("short", "long")),
+                         "the cpu-goal command's --profile-dir (3 updates after the timed ones)",
+                         cpu_profile_rows, provenance=True),
+    "cpu-products": Table((f"{BENCH}/avx512-epyc/products.json",),
+                          "python scripts/bench_half_matmul.py --products --steps 10", product_rows,
+                          provenance=True),
+    "dropout": Table((f"{BENCH}/avx512-epyc/dropout.json",), "python scripts/bench_dropout.py",
+                     dropout_rows, provenance=True),
     "other-tasks": Table(tuple(f"{BENCH}/amx-xeon/other_tasks/{n}.json" for n in ("multilingual", "bart_base")),
                          "python scripts/bench_fairseq_train.py --modes fp32,fp16,bf16 --task-args "
                          "\"--task ...\" --model \"--arch ...\" (the commands in docs/benchmarks.md)",

@@ -289,6 +289,26 @@ def test_a_benchmark_cut_off_is_summarised_from_the_lines_it_wrote(tmp_path):
         summary_of(tmp_path / "none.jsonl")
 
 
+def test_the_summary_carries_each_modes_profile_and_takes_peaks_from_unprofiled_runs():
+    """The profiled run keeps its trace in memory: its peak would inflate the mode's."""
+    from fairseq_fp16_tools.bench.fairseq_train import summarize
+
+    header = {"record": "run", "model": SMALL, "device": "cpu", "modes": ["fp32", "bf16"], "updates": 10,
+              "warmup_updates": 5, "repeats": 2, "cpu_native_fp16": False, "cpu_native_bf16": True,
+              "provenance": {"commit": "ab" * 20, "changed": []}}
+    base = dict(updates=10, ms_per_update=100.0, words_per_s=1000.0, ms_per_attempted_update=100.0,
+                applied_words_per_s=1000.0, skipped_updates=0, timed_skipped_updates=0, recompiles=0,
+                intervals=INTERVALS, machine={"device": "cpu"})
+    records = [_mode("fp32", "ok", **base, peak_mb=6000.0, profile={"wall_ms": 101.0}),
+               _mode("bf16", "ok", **base, peak_mb=5000.0, profile={"wall_ms": 51.0}),
+               dict(_mode("fp32", "ok", **base, peak_mb=3800.0), repeat=2),
+               dict(_mode("bf16", "ok", **base, peak_mb=2800.0), repeat=2)]
+    summary = summarize(header, records)
+    assert summary["peak_mb"] == {"fp32": 3800.0, "bf16": 2800.0}
+    assert summary["profiles"] == {"fp32": {"wall_ms": 101.0}, "bf16": {"wall_ms": 51.0}}
+    assert summarize(header, records[:2])["peak_mb"] == {"fp32": 6000.0, "bf16": 5000.0}  # only profiled runs
+
+
 # -- provenance: fairseq_fp16_tools/provenance.py ------------------------------------------------
 
 def _git(repo, *args):

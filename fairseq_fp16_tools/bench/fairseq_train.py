@@ -73,9 +73,9 @@ from ..provenance import describe
 
 # (flags, plugin?, extra environment)
 MODES = {
-    "fp32-stock": [],  # stock fairseq: no --user-dir, task translation, optimizer adam
     "fp32": [],
     "tf32": [],  # fp32 with TF32 tensor-core products (CUDA; env below)
+    "fp32-stock": [],  # stock fairseq in fp32
     "fp16-stock": ["--fp16"],  # stock fairseq: no --user-dir, task translation, optimizer adam
     "fp16": ["--fp16"],
     "fp16-native": ["--fp16", "--half-matmul", "native"],
@@ -294,7 +294,8 @@ def read_records(path) -> List[Dict]:
 def summarize(header: Dict, records: List[Dict]) -> Dict:
     """The benchmark's JSON from its ``run`` header and ``mode`` records (one per run of a
     mode): each figure the median over a mode's repeats (peak memory and skips: the most), the
-    modes in the header's order; ``outcomes``: each mode's ``ok`` (a run finished), else its
+    modes in the header's order (peak memory from the runs without a profile, where a mode has
+    any: the profiler keeps its trace in memory); ``outcomes``: each mode's ``ok`` (a run finished), else its
     last run's ``failed``, ``timed out`` or ``skipped``, or ``not run`` (no record: the
     benchmark was cut off first)."""
     ok: Dict[str, List[Dict]] = {}
@@ -315,7 +316,10 @@ def summarize(header: Dict, records: List[Dict]) -> Dict:
     def most(key):
         return {m: max(r[key] for r in ok[m]) for m in modes}
 
-    ms, wps, mem = median("ms_per_update"), median("words_per_s"), most("peak_mb")
+    # the profiler holds its trace in memory: peaks from the runs without one, where there are any
+    unprofiled = {m: [r for r in ok[m] if "profile" not in r] or ok[m] for m in modes}
+    ms, wps = median("ms_per_update"), median("words_per_s")
+    mem = {m: max(r["peak_mb"] for r in unprofiled[m]) for m in modes}
     first = modes[0] if modes else None
     return {
         "record": "summary", "model": header["model"], "task_args": header.get("task_args"),
@@ -339,6 +343,8 @@ def summarize(header: Dict, records: List[Dict]) -> Dict:
         "recompiles": most("recompiles"),
         # each interval of a mode's first run (every run's are in its own record)
         "intervals": {m: ok[m][0]["intervals"] for m in modes},
+        # each mode's --profile-dir summary (its first run's)
+        "profiles": {m: r["profile"] for m in modes for r in ok[m][:1] if "profile" in r},
         "outcomes": outcomes,
         "skipped": [f"{r['mode']} (repeat {r['repeat']})" for r in records if r["outcome"] == "skipped"],
         "failed": failed, "machine": ok[modes[-1]][-1]["machine"] if modes else None,

@@ -18,6 +18,12 @@ real products; ``--fconv`` times fairseq's convolutional model (its ConvTBC
 convolutions are routed too), ``--lstm`` its LSTM model (an ``nn.LSTM`` encoder, a
 decoder stepping ``nn.LSTMCell``s with attention). Native fp16 on a CPU without fp16 units is very
 slow: it runs --slow-steps steps per round only.
+
+``--products`` times the matrix products alone instead (a transformer base layer's at 4,096
+tokens: the projections 4096x512 by 512x512, FFN 4096x512 by 512x2048 and 4096x2048 by
+2048x512), in TFLOP/s per kernel choice: fp32, native bf16 and fp16, and fp32 accumulation
+(the half operands upcast, an fp32 product, the result rounded to half), with the ``machine``
+and the ``provenance`` in the JSON.
 """
 
 import argparse
@@ -128,8 +134,51 @@ def time_steps(model, x, steps, accumulate):
     return times
 
 
+#: (m, k, n) of transformer base's products at 4,096 tokens
+PRODUCT_SHAPES = ((4096, 512, 512), (4096, 512, 2048), (4096, 2048, 512))
+
+
+def product_throughput(repeats: int) -> dict:
+    """TFLOP/s of each kernel choice on :data:`PRODUCT_SHAPES` (medians of ``repeats``)."""
+    choices = {
+        "fp32": (torch.float32, lambda a, b: a @ b),
+        "bf16 native": (torch.bfloat16, lambda a, b: a @ b),
+        "bf16 fp32-accumulate": (torch.bfloat16, lambda a, b: (a.float() @ b.float()).to(a.dtype)),
+        "fp16 native": (torch.float16, lambda a, b: a @ b),
+        "fp16 fp32-accumulate": (torch.float16, lambda a, b: (a.float() @ b.float()).to(a.dtype)),
+    }
+    out = {}
+    for name, (dtype, product) in choices.items():
+        slow = "native" in name and not cpu_has_native_half(dtype)
+        rows = {}
+        for m, k, n in PRODUCT_SHAPES:
+            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+            product(a, b)  # warm-up (oneDNN builds its kernel)
+            times = []
+            for _ in range(1 if slow else repeats):
+                t0 = time.perf_counter()
+                product(a, b)
+                times.append(time.perf_counter() - t0)
+            rows[f"{m}x{k}x{n}"] = round(2 * m * k * n / statistics.median(times) / 1e12, 3)
+        out[name] = rows
+    return out
+
+
+def products_main(repeats: int) -> None:
+    from ..provenance import describe
+    from .run_stats import machine
+
+    tflops = product_throughput(repeats)
+    for name, rows in tflops.items():
+        print(f"{name:22s} " + "  ".join(f"{shape} {v:6.3f}" for shape, v in rows.items()) + "  TFLOP/s")
+    print(json.dumps({"tflops": tflops, "repeats": repeats, "threads": torch.get_num_threads(),
+                      "machine": machine(["--cpu"]), "provenance": describe()}))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--products", action="store_true",
+                    help="time the matrix products alone, TFLOP/s per kernel choice")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--batch", type=int, default=32)
@@ -146,6 +195,8 @@ def main(argv=None):
                     help="time fairseq's LSTM encoder-decoder (--layers LSTM layers of --dim each side)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    if a.products:
+        return products_main(max(a.steps, 1))
     arch = next((k for k in BUILDERS if getattr(a, k)), None)
     if arch:  # fairseq models: (source, target) token ids
         tokens = tuple(torch.randint(4, 8000, (a.batch, a.seq)) for _ in range(2))
