@@ -27,7 +27,7 @@ from omegaconf import II
 
 from .core.buckets import parse_length_buckets
 from .core.half_matmul import HALF_MATMUL_CHOICES
-from .core.loss_scaler import parse_loss_scale
+from .core.loss_scaler import check_scale_range, parse_loss_scale
 from .fused_criterion import FUSED_LOSS_CHOICES
 from .precision import EXCLUSIVE
 
@@ -324,6 +324,8 @@ def _validate_loss_scale_flags(cfg) -> None:
     if init is not None and not float(init) >= 1:
         raise ValueError(f"--fp16-init-scale must be an integer >= 1 (the dynamic loss scale's "
                          f"first value; fairseq's default 128), got {init!r}")
+    if init is not None:
+        check_scale_range(float(init), init, "--fp16-init-scale")
     window = flag(cfg, "fp16_scale_window")
     if window is not None and int(window) < 1:
         raise ValueError("--fp16-scale-window must be an integer >= 1 (clean updates before the "

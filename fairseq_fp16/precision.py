@@ -30,7 +30,12 @@ __all__ = ["NAMES", "LossScaleSpec", "Precision", "current", "set_current"]
 
 NAMES = ("fp32", "fp16", "bf16")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-EXCLUSIVE = "--fp16 and --bf16 are exclusive: pick one precision"
+def exclusive(fp16: str = "--fp16", bf16: str = "--bf16") -> str:
+    """The refusal of an fp16 flag given with a bf16 one."""
+    return f"{fp16} and {bf16} are exclusive: pick one precision"
+
+
+EXCLUSIVE = exclusive()
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ pytestmark = pytest.mark.slow
 
 CASES = [
     (["--fp16", "--bf16"], r"fairseq-train: error: --fp16 and --bf16 are exclusive: pick one precision"),
+    (["--fp16", "--memory-efficient-bf16"],
+     r"fairseq-train: error: --fp16 and --memory-efficient-bf16 are exclusive: pick one precision"),
+    (["--memory-efficient-fp16", "--bf16"],
+     r"fairseq-train: error: --memory-efficient-fp16 and --bf16 are exclusive: pick one precision"),
+    (["--memory-efficient-bf16", "--memory-efficient-fp16"],
+     r"fairseq-train: error: --memory-efficient-fp16 and --memory-efficient-bf16 are exclusive: pick one "
+     r"precision"),
     (["--fp16", "--max-consecutive-overflows", "-1"],
      r"--max-consecutive-overflows must be an integer >= 0 \(0 = never stop\), got -1"),
     (["--fp16", "--loss-scale", "-4"], r"--loss-scale must be 0 \(dynamic\) or a positive power of two"),
@@ -28,6 +35,15 @@ CASES = [
     (["--fp16", "--fp16-init-scale", "0"],
      r"--fp16-init-scale must be an integer >= 1 \(the dynamic loss scale's first value; fairseq's default "
      r"128\), got 0"),
+    (["--fp16", "--fp16-init-scale", str(2**200)],
+     r"--fp16-init-scale must be at most 2\*\*127 \(the largest power of two fp32 holds; the scale is kept "
+     rf"in fp32\), got {2**200}"),
+    (["--fp16", "--loss-scale", str(2.0**200)],
+     r"--loss-scale must be at most 2\*\*127 \(the largest power of two fp32 holds; the scale is kept in "
+     r"fp32\), got '1\.6\d+e\+60'"),
+    (["--fp16", "--loss-scale", str(2.0**-130)],
+     r"--loss-scale must be at least 2\*\*-126 \(the smallest normal power of two of fp32; the scale is "
+     r"kept in fp32\), got '7\.3\d+e-40'"),
     (["--fp16", "--fp16-scale-window", "0"],
      r"--fp16-scale-window must be an integer >= 1 \(clean updates before the dynamic loss scale grows; "
      r"unset: 2\*\*14 / \(world size x update-freq\)\), got 0"),

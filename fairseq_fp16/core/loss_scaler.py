@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["LossScaler", "parse_loss_scale"]
+__all__ = ["SCALE_RANGE", "LossScaler", "check_scale_range", "parse_loss_scale"]
 
 
 def parse_loss_scale(value: Any, flag: str = "--loss-scale") -> Optional[float]:
@@ -53,7 +53,27 @@ def parse_loss_scale(value: Any, flag: str = "--loss-scale") -> Optional[float]:
             f"{flag} must be 0 (dynamic) or a positive power of two "
             f"(e.g. 128, 1024, 0.5), got {value!r}"
         )
+    check_scale_range(scale, value, flag)
     return scale
+
+
+#: the powers of two a scale held in fp32 can take (normal numbers)
+SCALE_RANGE = (2.0**-126, 2.0**127)
+
+
+def check_scale_range(scale: float, value: Any, flag: str) -> None:
+    """Refuse a loss scale fp32 cannot hold: above fp32's largest power of two, or below its
+    smallest normal one.
+
+    Raises:
+        ValueError: naming ``flag``, the bound and ``value`` as given.
+    """
+    if scale > SCALE_RANGE[1]:
+        raise ValueError(f"{flag} must be at most 2**127 (the largest power of two fp32 holds; the "
+                         f"scale is kept in fp32), got {value!r}")
+    if scale < SCALE_RANGE[0]:
+        raise ValueError(f"{flag} must be at least 2**-126 (the smallest normal power of two of "
+                         f"fp32; the scale is kept in fp32), got {value!r}")
 
 
 class LossScaler:
