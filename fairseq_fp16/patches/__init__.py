@@ -18,7 +18,8 @@ distributed start-up, option parsing, batch-prefetch threads and commands), :mod
 (the task base classes, which call the precision features of :mod:`fairseq_fp16.features` for every task), :mod:`.flags` (the task
 registry and constructors: the plugin's flags for every task), :mod:`.incremental_state`
 (the decoding-state lookup, for ``--compile-layers``), :mod:`.dropout` (``FairseqDropout``'s
-masks on the CPU, ``--cpu-dropout``). Outside fairseq, the plugin
+masks on the CPU, ``--cpu-dropout``), :mod:`.data` (a data-bin's splits checked as they load).
+Outside fairseq, the plugin
 adds ``argparse.Namespace`` to torch's weights-only allow-list (:mod:`fairseq_fp16.safe_load`).
 """
 
@@ -28,15 +29,15 @@ import os
 
 import torch
 
-from . import (checkpoints, distributed, dropout, flags, incremental_state, options, prefetch, run,
-               tasks, trainer)
+from . import (checkpoints, data, distributed, dropout, flags, incremental_state, options, prefetch,
+               run, tasks, trainer)
 from .registry import GROUPS, REGISTRY, Patch
 
 __all__ = ["GROUPS", "PROCESS_SETTINGS", "REGISTRY", "Patch", "describe", "install", "is_installed",
            "uninstall"]
 
 for _module in (trainer, checkpoints, distributed, options, prefetch, run, tasks, flags,
-                incremental_state, dropout):
+                incremental_state, dropout, data):
     for _patch in _module.PATCHES:
         REGISTRY.add(_patch)
 
