@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence
 import torch
 
 import fairseq_fp16  # noqa: F401  (registers the task; allow-lists fairseq's globals for torch.load)
+from fairseq_fp16.patches.checkpoints import unreadable
 from fairseq_fp16.precision import NAMES, Precision
 
 #: scripts/export_fp32_checkpoint.py's help
@@ -101,6 +102,22 @@ def saved_masters(state):
     return Precision(name), masters
 
 
+def read(path: Path, mmap: bool = False) -> Dict:
+    """Checkpoint ``path``'s state, weights-only (``mmap``: the tensors stay on disk).
+
+    Raises:
+        ValueError: naming the file when its bytes are not a readable checkpoint.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:
+        if not unreadable(e):
+            raise
+        first = str(e).strip().splitlines()[0].split(". ")[0][:200] if str(e).strip() else ""
+        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {first}): the "
+                         "file is truncated or damaged, or was not written by fairseq") from None
+
+
 def load_masters(src: Path):
     """``src``'s state, its precision (fp16 or bf16) and fp32 masters by parameter position.
 
@@ -108,7 +125,7 @@ def load_masters(src: Path):
         ValueError: when ``src`` holds no fp32 masters (an fp32 run, or one saved with
             ``--no-save-optimizer-state``).
     """
-    state = torch.load(src, map_location="cpu", weights_only=True)
+    state = read(src)
     if not state.get("last_optimizer_state"):
         raise ValueError(f"{src} holds no optimizer state (saved with --no-save-optimizer-state?): "
                          "its fp32 master weights were not saved")
@@ -200,7 +217,7 @@ def run_end(path: Path) -> Dict[str, object]:
     fp32: the scale is None); stock fairseq's ``--fp16`` state holds ``loss_scale`` and no count
     of skipped updates (None). Both are None for a checkpoint saved without its optimizer state.
     """
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the tensors stay on disk
+    state = read(path, mmap=True)  # the tensors stay on disk
     opt = state.get("last_optimizer_state")
     opt = opt if isinstance(opt, dict) else {}
     if "precision" in opt:  # the plugin's MixedPrecisionFairseqOptimizer
@@ -235,7 +252,7 @@ def last_interval_checkpoints(save_dir: Path, n: int) -> List[Path]:
 def _weights(path: Path, names, data):
     """(state, precision, from masters, parameter names): a half run's weights are its fp32
     masters where it saved them, else the rounded weights its half model held."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = read(path)
     precision, masters = saved_masters(state)
     if precision is not None:
         names = names or checkpoint_names(path, data)

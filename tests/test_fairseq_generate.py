@@ -187,3 +187,9 @@ def test_export_refuses_a_checkpoint_without_masters_or_with_foreign_ones(toy_da
                                          r"\(saved with --no-save-optimizer-state\?\)"):
         main([str(tmp_path / "bare.pt"), str(tmp_path / "x.pt")])
     assert not (tmp_path / "x.pt").exists()
+    (tmp_path / "notes.pt").write_text("not a checkpoint\n")
+    with pytest.raises(SystemExit, match=r"^export_fp32_checkpoint: \S+notes\.pt is not a readable checkpoint "
+                                         r"\(UnpicklingError: [^\n]*\): the file is truncated or damaged, or "
+                                         r"was not written by fairseq$"):
+        main([str(tmp_path / "notes.pt"), str(tmp_path / "x.pt")])
+    assert not (tmp_path / "x.pt").exists()

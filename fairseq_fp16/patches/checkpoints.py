@@ -122,16 +122,22 @@ def _load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     return state
 
 
+def unreadable(err: BaseException) -> bool:
+    """Whether ``err``, raised loading a checkpoint, means the file's bytes are damaged or not a
+    checkpoint at all (not a device or version problem of a readable file)."""
+    damaged = isinstance(err, (pickle.UnpicklingError, EOFError)) or _raised_reading(err)
+    if isinstance(err, RuntimeError) and not any(
+        k in str(err) for k in ("PytorchStreamReader", "zip archive", "unexpected EOF")
+    ):
+        return False
+    return damaged
+
+
 def _read_checkpoint(path, arg_overrides=None, load_on_all_ranks=False):
     try:
         return _original(LOAD)(path, arg_overrides, load_on_all_ranks)
     except Exception as e:
-        damaged = isinstance(e, (pickle.UnpicklingError, EOFError)) or _raised_reading(e)
-        if isinstance(e, RuntimeError) and not any(
-            k in str(e) for k in ("PytorchStreamReader", "zip archive", "unexpected EOF")
-        ):
-            damaged = False  # e.g. a device or version problem of a readable file
-        if not damaged:
+        if not unreadable(e):
             raise
         raise DamagedCheckpointError(describe_load_error(str(path), e)) from e
 
