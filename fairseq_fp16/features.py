@@ -10,11 +10,11 @@ those methods and calls these functions:
   ``--compile-layers``;
 * :func:`fused_criterion`: the fused fp32 loss for half runs (``--fused-loss``);
 * :class:`TaskState` (:func:`task_state`): the CPU matrix-product mode (``--half-matmul``) the
-  steps run in; :func:`cpu_autocast`, ``--amp`` on the CPU as torch's bf16 autocast; :func:`native_products_check`, the first steps' count of half products left on
-  native kernels; :func:`divergence_due` / :func:`measure_divergence`,
+  steps run in; :func:`cpu_autocast`, ``--amp`` on the CPU as torch's bf16 autocast;
+  :func:`native_products_check`, the first steps' count of half products left on native kernels; :func:`divergence_due` / :func:`measure_divergence`,
   ``--precision-divergence-interval``;
-* :func:`generation_models`: ``--bf16`` generation casts the models to bf16 (stock
-  fairseq-generate casts only for ``--fp16``); :func:`repair_ngram_blocker`, a blocker that
+* :func:`inference_model`: ``--bf16`` inference casts the model to bf16 (stock fairseq casts
+  only for ``--fp16``); :func:`repair_ngram_blocker`, a blocker that
   blocks off CUDA;
 * :func:`bucket_training_batches` (``--length-buckets``) and :func:`first_epoch_order` (a
   resumed run trains on the batches of the uninterrupted one).
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["COUNTER_MASKS", "TaskState", "avoid_cudnn_attention", "bucket_training_batches",
            "cpu_autocast", "cpu_dropout_masks", "divergence_due",
-           "first_epoch_order", "fused_criterion", "generation_models", "measure_divergence",
+           "first_epoch_order", "fused_criterion", "inference_model", "measure_divergence",
            "native_products_check", "prepare_model", "repair_ngram_blocker", "task_flag",
            "task_precision", "task_state"]
 
@@ -307,11 +307,12 @@ def measure_divergence(task, state, sample, model, optimizer, update_num) -> Non
 
 
 # ----------------------------------------------------------------------------------- generation
-def generation_models(task, models) -> None:
-    """``--bf16`` generation: the models cast to bf16 (fp32 islands stay fp32)."""
-    if task_state(task).precision.name == "bf16":
-        for model in models:
-            model.to(torch.bfloat16)
+def inference_model(model, cfg) -> None:
+    """``--bf16`` inference (fairseq-generate, -interactive, -eval-lm, the hub interface): the
+    model cast to bf16, fp32 islands kept fp32 (stock fairseq casts only for ``--fp16``)."""
+    if bool(getattr(getattr(cfg, "common", None), "bf16", False)):
+        model.to(torch.bfloat16)
+        logger.info("fairseq_fp16: --bf16 inference: the model cast to bf16 (fp32 islands kept)")
 
 
 def repair_ngram_blocker(generator):

@@ -2,6 +2,7 @@
 trained with --task language_modeling and the plugin loaded gets the same fp32 islands, CPU
 matrix-product path, optimizer and log lines."""
 
+import re
 import subprocess
 import sys
 
@@ -60,3 +61,31 @@ def test_a_language_model_in_half_precision_tracks_fp32(runs):
         half = [r["loss"] for r in runs[name][1]]
         assert all(abs(a - b) < 0.05 for a, b in zip(fp32, half)), (name, fp32, half)
         assert half[-1] < half[0] - 0.2
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(lm_data, tmp_path_factory):
+    save = tmp_path_factory.mktemp("lm-save")
+    run_cli("fairseq-train", [lm_data, *[a for a in LM if a != "--no-save"], "--save-dir", save,
+                              "--no-epoch-checkpoints"])
+    return save / "checkpoint_last.pt"
+
+
+def _eval_lm(lm_data, checkpoint, *flags):
+    proc = run_cli("fairseq-eval-lm", [lm_data, "--path", checkpoint, "--gen-subset", "valid", "--cpu",
+                                       "--tokens-per-sample", "32", "--max-tokens", "512", "--user-dir",
+                                       USER_DIR, *flags])
+    text = proc.stdout + proc.stderr
+    return float(re.search(r"Loss \(base 2\): ([\d.]+), Perplexity", text)[1]), text
+
+
+def test_eval_lm_evaluates_in_the_half_precision_asked_for(lm_data, lm_checkpoint):
+    """fairseq-eval-lm casts the model for --fp16 only; with the plugin --bf16 evaluates in bf16:
+    a loss near fp32's, as fp16's, but not fp32's to the last digit printed."""
+    fp32, text = _eval_lm(lm_data, lm_checkpoint)
+    assert "the model cast to bf16" not in text
+    for name in ("fp16", "bf16"):
+        loss, text = _eval_lm(lm_data, lm_checkpoint, f"--{name}")
+        assert abs(loss - fp32) < 0.01 * fp32, (name, loss, fp32)
+    assert loss != fp32
+    assert text.count("fairseq_fp16: --bf16 inference: the model cast to bf16 (fp32 islands kept)") == 1

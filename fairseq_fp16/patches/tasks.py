@@ -19,7 +19,7 @@ from ..features import (
     divergence_due,
     first_epoch_order,
     fused_criterion,
-    generation_models,
+    inference_model,
     measure_divergence,
     native_products_check,
     prepare_model,
@@ -33,6 +33,7 @@ __all__ = ["PATCHES"]
 
 BASE = "fairseq.tasks.fairseq_task:FairseqTask"
 LEGACY = "fairseq.tasks.fairseq_task:LegacyFairseqTask"
+PREPARE = "fairseq.models.fairseq_model:BaseFairseqModel.prepare_for_inference_"
 
 
 def _build_model_of(target):
@@ -71,8 +72,12 @@ def _inference_step(self, *args, **kwargs):
 
 
 def _build_generator(self, models, args, *rest, **kwargs):
-    generation_models(self, models)
     return repair_ngram_blocker(_original(f"{BASE}.build_generator")(self, models, args, *rest, **kwargs))
+
+
+def _prepare_for_inference_(self, cfg):
+    inference_model(self, cfg)
+    return _original(PREPARE)(self, cfg)
 
 
 #: positions of ``seed`` and ``disable_iterator_cache`` among FairseqTask.get_batch_iterator's
@@ -146,9 +151,12 @@ PATCHES = [
           why="generation runs in the CPU matrix-product mode and counts its native half products"),
     Patch(f"{BASE}.build_generator", group="repair", replacement=_build_generator,
           expects=["no_repeat_ngram_size"],
-          why="fairseq-generate --bf16 casts the models to bf16 (stock casts only for --fp16), "
-              "and --no-repeat-ngram-size off CUDA gets a blocker that blocks (fairseq's "
-              "fallback compares with the buffer's padding and blocks nothing)"),
+          why="--no-repeat-ngram-size off CUDA gets a blocker that blocks (fairseq's fallback "
+              "compares with the buffer's padding and blocks nothing)"),
+    Patch(PREPARE, group="precision", replacement=_prepare_for_inference_,
+          expects=["self.make_generation_fast_(**kwargs)"],
+          why="fairseq-generate, -interactive and -eval-lm cast the model for --fp16 only; with "
+              "--bf16 the model is cast to bf16 as it is prepared for inference"),
     Patch("fairseq.ngram_repeat_block:NGramRepeatBlock.__init__", group="repair",
           expects=["self.use_extension = is_cuda_extension_usable() if use_extension else False"],
           why="relied on: use_extension says whether fairseq's blocker runs its CUDA kernel"),
