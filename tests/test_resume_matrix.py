@@ -147,7 +147,7 @@ def saved_canon(path, names, opt):
     Read as this test reads each layout, not through the plugin."""
     st = torch.load(path, weights_only=False, map_location="cpu")
     saved, model = st["last_optimizer_state"], st["model"]
-    plugin = st["optimizer_history"][-1]["optimizer_name"] == "MixedPrecisionFairseqOptimizer"
+    plugin = " (fairseq_fp16 " in st["optimizer_history"][-1]["optimizer_name"]  # e.g. "FP16Adam (fairseq_fp16 bf16)"
     if plugin:
         inner, order = saved["optimizer"], _inner_order(names, opt)
         masters = {saved["master_names"][i]: t for i, t in (saved.get("master_params") or {}).items()}

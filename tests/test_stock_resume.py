@@ -86,6 +86,9 @@ def test_a_stock_fp16_checkpoint_carries_its_flat_moments_and_loss_scale(toy_dat
     assert recs[0]["loss_scale"] == 64
     got, ref = losses(recs), stock[1]
     assert all(abs(got[u] - ref[u]) < 0.05 for u in got), (got, ref)
+    # the history names each run's optimizer: stock fairseq's class, then the plugin's --optimizer
+    history = torch.load(path, weights_only=False)["optimizer_history"]
+    assert [h["optimizer_name"] for h in history] == ["FP16Optimizer", "FP16Adam (fairseq_fp16 fp16)"]
 
 
 def test_flat_fp16_optimizer_moments_are_cut_back_into_the_parameters():

@@ -37,7 +37,8 @@ from ..core.loss_scaler import LossScaler
 from ..core.master_weights import MixedPrecisionOptimizer
 from ..core.param_names import param_name
 from ..core.ranks import agree_on_every_rank, first_on_any_rank
-from .stock_state import STOCK_HALF, check_same_optimizer, describe_state, import_stock_state, stock_loss_scale
+from .stock_state import (PLUGIN_TAG, STOCK_HALF, check_same_optimizer, describe_state, import_stock_state,
+                          stock_loss_scale)
 from .traces import Diagnostics
 from ..precision import Precision
 
@@ -167,6 +168,12 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
     @property
     def watch(self) -> Optional[NonFiniteWatch]:
         return self.strategy.watch
+
+    @property
+    def history_name(self) -> str:
+        """What the checkpoint's optimizer history names this run's optimizer by (the class of
+        the --optimizer it wraps, and the precision; fairseq's trainer saves the class name)."""
+        return f"{type(self.inner).__name__}{PLUGIN_TAG}{self.precision})"
 
     @property
     def optimizer_config(self):

@@ -34,10 +34,16 @@ import torch
 from ..core.adam import BACKEND_KEYS
 from ..core.param_names import param_name
 
-__all__ = ["PLUGIN_OPTIMIZER", "STOCK_HALF", "check_same_optimizer", "describe_state",
+__all__ = ["PLUGIN_OPTIMIZER", "PLUGIN_TAG", "SAVED_NAME", "STOCK_HALF", "history_names", "check_same_optimizer", "describe_state",
            "import_stock_state", "prepare_for_resume", "saved_optimizer_name", "stock_loss_scale"]
 
 PLUGIN_OPTIMIZER = "MixedPrecisionFairseqOptimizer"
+#: what a checkpoint's optimizer history says of a run of the plugin's wrapper:
+#: ``<the --optimizer's class> (fairseq_fp16 <precision>)``, e.g. ``FP16Adam (fairseq_fp16 bf16)``
+#: (checkpoints written before it say PLUGIN_OPTIMIZER)
+PLUGIN_TAG = " (fairseq_fp16 "
+#: where a loaded history entry keeps its saved name while it reads PLUGIN_OPTIMIZER
+SAVED_NAME = "fairseq_fp16_saved_name"
 STOCK_HALF = ("FP16Optimizer", "MemoryEfficientFP16Optimizer")
 #: --optimizer values of stock checkpoints whose state another --optimizer takes parameter by
 #: parameter (the same moments; the plugin's fp16_adam splits the parameters into groups)
@@ -74,14 +80,16 @@ def prepare_for_resume(state: Dict) -> Optional[str]:
     if not history or not isinstance(saved, dict):
         return None
     name = history[-1].get("optimizer_name")
-    if name == PLUGIN_OPTIMIZER:
+    if name is None:
+        return None
+    # fairseq's trainer compares the last entry's name with the wrapper's class name; the name
+    # saved (what a reader of the history sees) goes back in as the run saves its next checkpoint
+    history[-1] = dict(history[-1], optimizer_name=PLUGIN_OPTIMIZER, **{SAVED_NAME: name})
+    if name == PLUGIN_OPTIMIZER or PLUGIN_TAG in name:
         saved.setdefault("optimizer_name", saved_optimizer_name(state))
         if saved.get("precision") == "fp32":  # exact weights for the masters of a half run
             saved["fp32_weights"] = _fp32_weights(state)
         return None
-    if name is None:
-        return None
-    history[-1]["optimizer_name"] = PLUGIN_OPTIMIZER
     state["last_optimizer_state"] = {
         "precision": "stock",
         "stock": name,
@@ -92,6 +100,21 @@ def prepare_for_resume(state: Dict) -> Optional[str]:
         "fp32_weights": _fp32_weights(state),
     }
     return name
+
+
+def history_names(history: List[Dict], current: Optional[str]) -> List[Dict]:
+    """A copy of the optimizer ``history`` fairseq saves, each entry named as it was saved and the
+    last (this run's) ``current`` where given."""
+    named = []
+    for entry in history:
+        entry = dict(entry)
+        saved = entry.pop(SAVED_NAME, None)
+        if saved is not None:
+            entry["optimizer_name"] = saved
+        named.append(entry)
+    if current is not None and named:
+        named[-1]["optimizer_name"] = current
+    return named
 
 
 def check_same_optimizer(saved: Optional[str], current: Optional[str], stock: bool) -> None:

@@ -24,6 +24,7 @@ from fairseq.trainer import Trainer
 from .. import run_info
 from ..core.param_names import tag_param_names
 from ..optim.mixed_precision import MixedPrecisionFairseqOptimizer
+from ..optim.stock_state import history_names
 from ..precision import Precision
 from .registry import Patch
 from .registry import original as _original
@@ -144,6 +145,14 @@ def _plugin_optimizer(trainer) -> Optional[MixedPrecisionFairseqOptimizer]:
     return opt if isinstance(opt, MixedPrecisionFairseqOptimizer) else None
 
 
+def _state_dict(self):
+    state = _original(STATE_DICT)(self)
+    optimizer = _plugin_optimizer(self)
+    state["optimizer_history"] = history_names(
+        state["optimizer_history"], None if optimizer is None else optimizer.history_name)
+    return state
+
+
 def _begin_epoch(self, epoch):
     _original(BEGIN_EPOCH)(self, epoch)
     if isinstance(self.optimizer, MixedPrecisionFairseqOptimizer):
@@ -208,7 +217,10 @@ PATCHES = [
           why="--ema-fp32 averages the model's state dict, which in a half run holds the rounded "
               "half weights; the trainer builds a MastersEMA, which averages the fp32 masters of "
               "the optimizer wrapper the trainer tells it to follow"),
-    Patch(STATE_DICT, group="precision", expects=['"optimizer_name": self.optimizer.__class__.__name__'],
-          why="checkpoints record the optimizer's class name; the wrapper keeps one class for "
-              "every precision so that runs resume across precisions"),
+    Patch(STATE_DICT, group="precision", replacement=_state_dict,
+          expects=['"optimizer_name": self.optimizer.__class__.__name__',
+                   '"optimizer_history": (self._optim_history or [])'],
+          why="checkpoints record the optimizer's class name, and the wrapper's is one class for "
+              "every precision; the history names the --optimizer the run wrapped and the "
+              "precision instead, and each loaded entry the name it was saved with"),
 ]
