@@ -27,6 +27,7 @@ operators it called) per update, by :func:`cpu_class` (:data:`CPU_CLASSES`), wit
 cost); ``products_frac``: the products' share of the train steps' wall time.
 """
 
+import argparse
 import json
 import re
 import sys
@@ -243,12 +244,12 @@ def cpu_table(profiles: Dict[str, Dict]) -> str:
 
 
 def main(argv=None) -> int:
-    paths = sys.argv[1:] if argv is None else argv
-    if not paths:
-        print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
-        return 2
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("profiles", nargs="+", metavar="PROFILE.json",
+                    help="summaries written by scripts/run_stats.py --profile-updates")
     profiles = {}
-    for path in paths:
+    for path in ap.parse_args(argv).profiles:
         with open(path) as fh:
             data = json.load(fh)
         profiles[data.get("name") or path] = data

@@ -362,11 +362,14 @@ def _parse_window_flags(argv):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: python scripts/run_stats.py [--profile-updates FIRST:COUNT PROFILE.json] "
+             f"[--census-updates FIRST:COUNT CENSUS.json] STATS.json {{{','.join(CLIS)}}} ARGS...")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     profiler, census, argv = _parse_window_flags(argv)
     if len(argv) < 2 or argv[1] not in CLIS:
-        print("usage: python scripts/run_stats.py [--profile-updates FIRST:COUNT PROFILE.json] "
-              "[--census-updates FIRST:COUNT CENSUS.json] "
-              f"STATS.json {{{','.join(CLIS)}}} ARGS...", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     if profiler is not None and census is not None:
         raise SystemExit("--profile-updates and --census-updates: one at a time (the census "

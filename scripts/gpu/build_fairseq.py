@@ -14,6 +14,7 @@ commands callable; a ``fairseq_fixed-VERSION.dist-info`` in DEST gives ``importl
 the version and the console scripts. Needs numpy, Cython, setuptools and a C++ compiler.
 """
 
+import argparse
 import os
 import sys
 import tarfile
@@ -82,11 +83,12 @@ def write_clis(src: Path) -> None:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
-        return 2
-    src = unpack(Path(argv[0]).resolve(), Path(argv[1]).resolve())
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("sdist", type=Path, help="fairseq-fixed's source distribution (.tar.gz)")
+    ap.add_argument("dest", type=Path, help="where it is unpacked and built")
+    a = ap.parse_args(argv)
+    src = unpack(a.sdist.resolve(), a.dest.resolve())
     build(src)
     write_metadata(src)
     write_clis(src)

@@ -11,6 +11,9 @@
 #    (fairseq_fp16_tools/provenance.py; a file changed after this step shows as a change);
 # 4. the sizes of what travels: the working tree (tracked and unignored files) with the carried
 #    .whl and data/gpu-bench/bin must stay under the device call's 64 MiB. Exits 1 above it.
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above
+  sed -n "2,$((LINENO - 2))s/^# \{0,1\}//p" "$0"; exit 0
+fi
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

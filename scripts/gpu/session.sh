@@ -20,6 +20,9 @@
 # train_<tokens>.jsonl per batch size (a header, one line per mode with its profile, a summary;
 # scripts/gpu/collect.py turns them into the committed JSON), optimizer.json,
 # stock_resume.json, pytest_gpu.txt.
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above
+  sed -n "2,$((LINENO - 2))s/^# \{0,1\}//p" "$0"; exit 0
+fi
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 smoke=0

@@ -10,6 +10,9 @@
 #
 # The list below is fairseq-fixed's requirements minus what that image holds (the device
 # tool's package list). Idempotent: files already in DIR are kept.
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above
+  sed -n "2,$((LINENO - 2))s/^# \{0,1\}//p" "$0"; exit 0
+fi
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${1:-.whl}
