@@ -544,13 +544,16 @@ def provenance_note(data: Sequence, root: Path) -> str:
     cpu_only = bool(torches) and all(t.endswith("+cpu") for t in torches)  # a CPU build has no CUDA
     versions = (f"torch {', '.join(torches) or 'unknown'}, "
                 + ("no CUDA" if cpu_only and not cudas else f"CUDA {', '.join(cudas) or 'unknown'}"))
-    if stale:
-        verdict = f"stale: {PLUGIN}/ changed since {' and '.join(_unique(stale))}"
+    measured = _unique(label(p) for p in records)
+    if stale and len(_unique(stale)) == len(measured):  # every record: the label is said once
+        verdict = f"stale: {PLUGIN}/ has changed since"
+    elif stale:
+        verdict = f"stale: {PLUGIN}/ has changed since {' and '.join(_unique(stale))}"
     elif unknown:
         verdict = "the rows may be stale"
     else:
         verdict = f"{PLUGIN}/ unchanged since"
-    return f"Measured at {' and '.join(_unique(label(p) for p in records))} ({versions}): {verdict}."
+    return f"Measured at {' and '.join(measured)} ({versions}): {verdict}."
 
 
 def commit_note(data: Sequence) -> str:

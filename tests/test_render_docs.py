@@ -142,9 +142,9 @@ def test_the_note_names_the_commit_and_marks_rows_stale_once_the_plugin_changed(
         f"Measured at aaaaaaaa plus changes to fairseq_fp16/ {versions}: fairseq_fp16/ unchanged since.")
     (tmp_path / "fairseq_fp16" / "a.py").write_text("A = 2\n")
     second = source_hashes(tmp_path)["fairseq_fp16"]
-    assert note([_measured(a, first)], tmp_path) == f"Measured at aaaaaaaa {versions}: stale: fairseq_fp16/ changed since aaaaaaaa."
+    assert note([_measured(a, first)], tmp_path) == f"Measured at aaaaaaaa {versions}: stale: fairseq_fp16/ has changed since."
     assert note([_measured(a, first), _measured(b, second)], tmp_path) == (
-        f"Measured at aaaaaaaa and bbbbbbbb {versions}: stale: fairseq_fp16/ changed since aaaaaaaa.")
+        f"Measured at aaaaaaaa and bbbbbbbb {versions}: stale: fairseq_fp16/ has changed since aaaaaaaa.")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "x.md").write_text("prose\n")  # outside the plugin: still current
     assert note([_measured(b, second)], tmp_path) == f"Measured at bbbbbbbb {versions}: fairseq_fp16/ unchanged since."

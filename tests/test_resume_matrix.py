@@ -10,7 +10,7 @@ plugin's fp16_adam, sgd, nag, adagrad, adafactor) and an fp32 EMA (--store-ema -
 or off.
 
 Each cell has one of two outcomes, pinned in ``docs/resume_matrix.json`` (the table of
-docs/how-it-works.md is rendered from it):
+docs/checkpoints.md is rendered from it):
 
 * **kept**: right after the load, the resumed run holds what the writer saved: every fp32
   weight (the masters of a half run, the weights of an fp32 one; a half model holds them
