@@ -17,9 +17,10 @@ come from ``scripts/report.py OUT``.
         --gen-args "--beam 4"
 
 Modes: fp32, fp16, bf16 (the plugin: --task translation_fp16 --optimizer
-fp16_adam) and fp16-stock (stock fairseq --fp16: --task translation
---optimizer adam, no --user-dir; it needs CUDA, and is refused before any
-training where torch sees none). ``MODE@seedN`` (e.g.
+fp16_adam), amp (fairseq's --amp, torch's autocast with fp32 weights: fp16 on
+CUDA, bf16 on the CPU, with the plugin's task and optimizer) and fp16-stock
+(stock fairseq --fp16: --task translation --optimizer adam, no --user-dir; it
+needs CUDA, and is refused before any training where torch sees none). ``MODE@seedN`` (e.g.
 fp32@seed2) adds a run of MODE with seed N: the seed-to-seed control, whose
 difference to fp32 shows how much two trainings differ without any change of
 precision. Do not put --task, --optimizer, --seed, --save-dir or precision
@@ -56,11 +57,14 @@ MODES = {
     "fp16": {"flags": ["--fp16"], "plugin": True},
     "bf16": {"flags": ["--bf16"], "plugin": True},
     "fp16-stock": {"flags": ["--fp16"], "plugin": False},
+    # torch's autocast with fp32 weights, fairseq's --amp (fp16 and its GradScaler on CUDA; on the
+    # CPU the plugin runs the step under bf16 autocast): the peer most PyTorch users would pick
+    "amp": {"flags": ["--amp"], "plugin": True},
 }
 #: ``MODE@seedN``: the mode trained with another seed, e.g. ``fp32@seed2``: a control run whose
 #: difference to fp32 is training-to-training variation alone.
 MODE_SPEC = re.compile(r"^(?P<base>[a-z0-9-]+?)(?:@seed(?P<seed>\d+))?$")
-FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--user-dir")
+FORBIDDEN = ("--task", "--optimizer", "--seed", "--save-dir", "--fp16", "--bf16", "--amp", "--user-dir")
 #: what fairseq's trainer logs for each update stock fairseq skips (it keeps no count of them)
 STOCK_OVERFLOW = "gradient overflow detected"
 

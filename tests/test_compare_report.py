@@ -147,6 +147,27 @@ def test_seed_control_run_is_fp32_with_another_seed(compared):
     assert set(summary["runs"]) == {"fp32", "fp16", "fp32-seed2"}
 
 
+def test_amp_mode_trains_under_torchs_autocast_beside_the_kept_runs(compared, toy_data, tmp_path):
+    """--modes amp: fairseq's --amp with the plugin's task and optimizer, on the CPU the step under
+    bf16 autocast (fp32 weights, no loss scale), reported beside fp32."""
+    out = tmp_path / "cmp"
+    shutil.copytree(compared[0], out)
+    settings = json.loads((out / "settings.json").read_text())
+    subprocess.run([sys.executable, ROOT / "scripts" / "compare.py", toy_data, "--out", out, "--modes", "amp",
+                    "--train-args", settings["train_args"], "--gen-args", settings["gen_args"],
+                    "--short-max-words", "7", "--keep-existing"], check=True, capture_output=True, text=True)
+    r = json.loads((out / "amp" / "result.json").read_text())
+    assert "--amp" in r["train_command"] and "--fp16" not in r["train_command"]
+    assert "--amp on the CPU: the training step under torch.autocast('cpu', " in (out / "amp" / "train.out").read_text()
+    r32 = json.loads((out / "fp32" / "result.json").read_text())
+    losses = [(x["loss"], y["loss"]) for x, y in zip(r["train"]["train_inner"], r32["train"]["train_inner"])]
+    assert len(losses) == 6 and all(abs(a - b) < 0.05 for a, b in losses) and losses != [(a, a) for a, _ in losses]
+    assert r["generate"]["n_sentences"] == 100
+    subprocess.run([sys.executable, ROOT / "scripts" / "report.py", out, "--bootstrap", "50"], check=True,
+                   capture_output=True)
+    assert "| amp | " in (out / "report.md").read_text()
+
+
 def test_keep_existing_reuses_finished_runs_only_with_the_same_flags(compared, toy_data):
     out, _ = compared
     before = {m: (out / m / "result.json").read_text() for m in ("fp32", "fp16", "fp32-seed2")}
