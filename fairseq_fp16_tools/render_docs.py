@@ -247,7 +247,7 @@ def gpu_precision_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """The H200 run per precision, with ratios to fp32 and to TF32."""
     (d,) = data
     ms, wps, mem = d["ms_per_update"], d["words_per_s"], d["peak_mb"]
-    order = [m for m in ("fp32", "tf32", "fp16", "bf16", "fp16-stock") if m in ms]
+    order = [m for m in ("fp32", "tf32", "amp", "fp16", "bf16", "fp16-stock") if m in ms]
     rows = [[mode, num(ms[mode], 1), thousands(wps[mode]), ratio(wps[mode] / wps["fp32"]),
              ratio(wps[mode] / wps["tf32"]), thousands(mem[mode]), ratio(mem[mode] / mem["fp32"]),
              ratio(mem[mode] / mem["tf32"])] for mode in order]

@@ -92,10 +92,11 @@ else
   fi
   # a warm-up of 30: a graphs mode records a CUDA graph on a shape's second batch (16 shapes)
   device=(--cuda); cpu=(); opt_device=cuda; params=1e6,1e7,1e8; batches=(16384 32768); updates=30; warmup=30
-  # the precisions and the A/B of the fixes at the first size (most wanted first: a mode not
-  # started by the deadline is skipped); the fast modes again at the second
-  modes_a=${MODES_A-tf32,fp16,fp16-graphs,bf16-graphs,fp16-compiled,fp32,fp16-stock,bf16,fp16-buckets}
-  modes_b=${MODES_B-tf32,fp16-graphs,fp16,bf16-graphs,fp16-compiled}
+  # the precisions, torch.amp (fairseq's --amp: the peer) and the A/B of the fixes at the first
+  # size (most wanted first: a mode not started by the deadline is skipped); the fast modes again
+  # at the second
+  modes_a=${MODES_A-tf32,amp,fp16,fp16-graphs,bf16-graphs,fp16-compiled,fp32,fp16-stock,bf16,fp16-buckets}
+  modes_b=${MODES_B-tf32,amp,fp16-graphs,fp16,bf16-graphs,fp16-compiled}
   mode_timeout=${MODE_TIMEOUT:-120,fp16-compiled=240,fp16-graphs=300,bf16-graphs=300}
   data=${DATA:-data/gpu-bench/bin}
   # transformer base (Vaswani et al.): 6+6 layers, d=512, ffn 2048, 8 heads
