@@ -21,7 +21,7 @@ $(VENV)/.installed: setup.py Makefile
 	# fairseq-fixed compiles extensions against the installed torch: no build isolation.
 	$(BIN)/python -c "import fairseq" 2>/dev/null || \
 		$(BIN)/python -m pip install -q --no-build-isolation $(FAIRSEQ_PIN)
-	$(BIN)/python -m pip install -q --no-build-isolation -e '.[fairseq,test,plots]'
+	$(BIN)/python -m pip install -q --no-build-isolation -e '.[fairseq,tools,test,plots]'
 	touch $@
 
 test: install

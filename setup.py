@@ -7,20 +7,16 @@ setup(
     "as a --user-dir plugin: fp32 master weights, fused Adam, loss scaling, fp32 islands",
     packages=find_packages(include=["fairseq_fp16", "fairseq_fp16.*", "fairseq_fp16_tools", "fairseq_fp16_tools.*"]),
     python_requires=">=3.9",
-    install_requires=[
-        # an installed torch >= 2.4 is left as it is
-        "torch>=2.4",
-        "sacrebleu>=2.4",
-        # Student's t for the seed-paired equivalence test (fairseq_fp16_tools/stats.py)
-        "scipy",
-        "sentencepiece",
-        # Moses-style sentence splitting for the Debian corpus (examples/translation)
-        "sentence-splitter",
-    ],
+    # the plugin needs torch alone (and the fairseq it plugs into, which it leaves to the user)
+    install_requires=["torch>=2.4"],  # an installed torch >= 2.4 is left as it is
     extras_require={
         # fairseq 0.12.2 cannot be imported on Python 3.11; this fork can. An extra, so that a
         # plain install leaves a fairseq already installed (the user's own build) alone.
         "fairseq": ["fairseq-fixed==0.12.3.1"],
+        # the tools (compare.py, report.py, verdict.py) and the recipes' data preparation:
+        # BLEU, chrF and paired significance; Student's t for the seed-paired equivalence test;
+        # sentencepiece; Moses-style sentence splitting for the Debian corpus
+        "tools": ["sacrebleu>=2.4", "scipy", "sentencepiece", "sentence-splitter"],
         "test": ["pytest>=7"],
         "plots": ["matplotlib"],
     },

@@ -64,6 +64,9 @@ def test_pip_install_leaves_torch_and_fairseq_alone_and_an_fp16_update_trains(us
     requires = _python(env, "-c", "import importlib.metadata as m; print(m.requires('fairseq_fp16'))",
                        cwd=tmp_path).stdout
     assert "'fairseq-fixed==0.12.3.1; extra == \"fairseq\"'" in requires and requires.count("fairseq") == 2
+    # the plugin itself needs torch alone; the tools' libraries are the extra [tools]
+    assert [r for r in eval(requires) if "extra ==" not in r] == ["torch>=2.4"]
+    assert "'scipy; extra == \"tools\"'" in requires
     user_dir = _python(env, "-c", "from fairseq_fp16.cli import print_user_dir; print_user_dir()",
                        cwd=tmp_path).stdout.strip()
     assert user_dir.startswith(str(env)) and user_dir.endswith("fairseq_fp16")  # the installed copy
