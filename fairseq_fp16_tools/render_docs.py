@@ -240,7 +240,7 @@ def before_after_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     before, after = (d["peak_mb"] for d in data)
     rows = [[mode, thousands(before[mode]), thousands(after[mode]), f"{after[mode] - before[mode]:+,.0f}",
              ratio(after[mode] / after["fp32"])] for mode in after]
-    return md_table(["mode", "peak RSS MB, before", "after", "change", "x fp32, after"], rows)
+    return md_table(["mode", "peak RSS MB, master grads kept", "released", "change", "x fp32, released"], rows)
 
 
 def gpu_precision_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
@@ -556,13 +556,17 @@ def provenance_note(data: Sequence, root: Path) -> str:
     return f"Measured at {' and '.join(measured)} ({versions}): {verdict}."
 
 
+#: a table note's provenance where the data records none: said once a page, at its first table
+NO_COMMIT = "The data records no commit."
+
+
 def commit_note(data: Sequence) -> str:
     """``Data from COMMIT.``: the commits the data records (a table's note names where its
     numbers came from), or that it records none."""
     records = [p for d in data for p in _provenances(d)]
     known = _unique(label(p) for p in records if p.get("commit"))
     if not known:
-        return "The data records no commit."
+        return NO_COMMIT
     partial = " (part of it records none)" if any(not p.get("commit") for p in records) else ""
     return f"Data from {' and '.join(known)}{partial}."
 
@@ -701,11 +705,13 @@ def render_table(name: str, root: Path, tables: Dict[str, Table]) -> str:
 
 
 def render_doc(text: str, root: Path, tables: Dict[str, Table], where: str = "") -> Tuple[str, List[str]]:
-    """``text`` with every table block regenerated, and the problems found (unknown names,
-    open markers, missing data) as ``where:LINE: ...`` messages."""
+    """``text`` with every table block regenerated (:data:`NO_COMMIT` in the first note that has
+    it only), and the problems found (unknown names, open markers, missing data) as
+    ``where:LINE: ...`` messages."""
     lines = text.split("\n")
     out: List[str] = []
     problems: List[str] = []
+    no_commit_said = False
     i = 0
     while i < len(lines):
         m = OPEN.match(lines[i])
@@ -729,7 +735,11 @@ def render_doc(text: str, root: Path, tables: Dict[str, Table], where: str = "")
             out += lines[i:end]
         else:
             try:
-                out += ["", render_table(name, root, tables), ""]
+                block = render_table(name, root, tables)
+                if NO_COMMIT in block:  # once a page
+                    block = block.replace(f" {NO_COMMIT}", "") if no_commit_said else block
+                    no_commit_said = True
+                out += ["", block, ""]
             except FileNotFoundError as e:
                 problems.append(f"{where}:{start}: {e}")
                 out += lines[i:end]
