@@ -294,7 +294,7 @@ def measure_divergence(task, state, sample, model, optimizer, update_num) -> Non
     """The forward divergence of this update's batch (first micro-batch), logged and appended
     to the JSONL file."""
     state.divergence_done = update_num
-    errors = forward_divergence(model, optimizer.core.masters_by_param(), sample["net_input"])
+    errors = forward_divergence(model, optimizer.masters_by_param(), sample["net_input"])
     path = task_flag(task, "precision_divergence", None) or os.path.join(
         task_flag(task, "save_dir", "."), "precision_divergence.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

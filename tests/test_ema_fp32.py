@@ -21,10 +21,9 @@ class _Tied(torch.nn.Module):
 
 
 class _Optimizer:
-    """What the EMA reads of the plugin's optimizer: ``core.masters_by_param()``."""
+    """What the EMA reads of the plugin's optimizer: ``masters_by_param()``."""
 
     def __init__(self, model):
-        self.core = self
         self.masters = {id(p): torch.nn.Parameter(p.detach().float() + 1e-3) for p in model.parameters()}
 
     def masters_by_param(self):

@@ -182,7 +182,7 @@ def live_canon(trainer):
     """The same of a trainer that has just loaded its checkpoint."""
     wrapper = trainer.optimizer
     inner = wrapper.inner.optimizer
-    masters = wrapper.core.masters_by_param() if wrapper.core is not None else {}
+    masters = wrapper.masters_by_param()
     group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
     weights, half, per = {}, {}, {}
     for name, p in trainer.model.named_parameters():

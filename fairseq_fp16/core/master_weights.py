@@ -22,7 +22,7 @@ are their own masters: they are updated in place and not copied.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,6 +91,11 @@ class MixedPrecisionOptimizer:
     def masters_by_param(self) -> Dict[int, torch.Tensor]:
         """``id(model parameter) -> its fp32 master``, for the half parameters."""
         return {id(p): master for p, master in self._half_pairs}
+
+    def half_params(self) -> List[Tuple[int, torch.Tensor]]:
+        """``(position in model_params, model parameter)`` of each half parameter (each has an
+        fp32 master)."""
+        return list(zip(self._half_index, (p for p, _ in self._half_pairs)))
 
     # ---------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor) -> None:

@@ -185,6 +185,10 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         exposes its own for wrappers that average them (SlowMo)."""
         return None if self.core is None else self.core.master_params
 
+    def masters_by_param(self) -> Dict[int, torch.Tensor]:
+        """``id(model parameter) -> its fp32 master`` for the half parameters (none in fp32)."""
+        return {} if self.core is None else self.core.masters_by_param()
+
     @property
     def supports_flat_params(self):
         return False
@@ -487,8 +491,8 @@ class _MasterWeights:
     def _masters_from(self, weights: Dict[str, torch.Tensor]):
         """(masters, names) by parameter position: each half parameter's fp32 weight in
         ``weights`` (an fp32 checkpoint's model, by name)."""
-        core, masters, names = self.core, {}, {}
-        for i, (p, _) in zip(core._half_index, core._half_pairs):
+        masters, names = {}, {}
+        for i, p in self.core.half_params():
             name = param_name(p)
             if name in weights:
                 masters[i], names[i] = weights[name], name

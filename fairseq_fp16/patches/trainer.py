@@ -128,9 +128,9 @@ class MastersEMA(EMA):
         self.optimizer = optimizer
 
     def step(self, new_model, updates=None):
-        core = self.optimizer.core if self.optimizer is not None else None
-        if self.config.ema_fp32 and core is not None:
-            new_model = _MastersView(new_model, core.masters_by_param())
+        masters = self.optimizer.masters_by_param() if self.optimizer is not None else {}
+        if self.config.ema_fp32 and masters:
+            new_model = _MastersView(new_model, masters)
         return super().step(new_model, updates)
 
 
