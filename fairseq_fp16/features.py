@@ -11,7 +11,8 @@ those methods and calls these functions:
 * :func:`fused_criterion`: the fused fp32 loss for half runs (``--fused-loss``);
 * :class:`TaskState` (:func:`task_state`): the CPU matrix-product mode (``--half-matmul``) the
   steps run in; :func:`cpu_autocast`, ``--amp`` on the CPU as torch's bf16 autocast;
-  :func:`native_products_check`, the first steps' count of half products left on native kernels; :func:`divergence_due` / :func:`measure_divergence`,
+  :func:`native_products_check`, the first steps' count of half products left on native kernels;
+  :func:`divergence_due` / :func:`measure_divergence`,
   ``--precision-divergence-interval``;
 * :func:`inference_model`: ``--bf16`` inference casts the model to bf16 (stock fairseq casts
   only for ``--fp16``); :func:`repair_ngram_blocker`, a blocker that

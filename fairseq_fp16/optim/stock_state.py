@@ -34,7 +34,8 @@ import torch
 from ..core.adam import BACKEND_KEYS
 from ..core.param_names import param_name
 
-__all__ = ["PLUGIN_OPTIMIZER", "PLUGIN_TAG", "SAVED_NAME", "STOCK_HALF", "history_names", "check_same_optimizer", "describe_state",
+__all__ = ["PLUGIN_OPTIMIZER", "PLUGIN_TAG", "SAVED_NAME", "STOCK_HALF", "check_same_optimizer",
+           "describe_state", "history_names",
            "import_stock_state", "prepare_for_resume", "saved_optimizer_name", "stock_loss_scale"]
 
 PLUGIN_OPTIMIZER = "MixedPrecisionFairseqOptimizer"
