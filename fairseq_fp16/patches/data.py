@@ -30,9 +30,9 @@ LOAD = "fairseq.data.data_utils:load_indexed_dataset"
 REMEDY = "re-run fairseq-preprocess for this split"
 
 
-def _index(prefix: str) -> Optional[Tuple[np.dtype, np.ndarray, np.ndarray]]:
-    """The token dtype, sentence lengths and byte offsets of ``PREFIX.idx`` (None: not an index
-    of fairseq's mmap format, which fairseq's own reader refuses)."""
+def _header(prefix: str) -> Optional[Tuple[np.dtype, int]]:
+    """The token dtype and sentence count of ``PREFIX.idx``, its size checked against them (None:
+    not an index of fairseq's mmap format, which fairseq's own reader refuses)."""
     from fairseq.data.indexed_dataset import _code_to_dtype
 
     idx = prefix + ".idx"
@@ -45,30 +45,38 @@ def _index(prefix: str) -> Optional[Tuple[np.dtype, np.ndarray, np.ndarray]]:
     if size != want:
         raise ValueError(f"{idx} has {size:,} bytes where its header's {count:,} sentences need "
                          f"{want:,}: the index is truncated or damaged; {REMEDY}")
-    sizes = np.fromfile(idx, dtype=np.int32, count=count, offset=HEADER)
-    pointers = np.fromfile(idx, dtype=np.int64, count=count, offset=HEADER + 4 * count)
-    return np.dtype(_code_to_dtype[head[17]]), sizes, pointers
+    return np.dtype(_code_to_dtype[head[17]]), count
+
+
+def _lengths_and_offsets(prefix: str, count: int, first: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """The lengths and byte offsets of sentences ``first``.. of a checked ``PREFIX.idx``."""
+    idx, n = prefix + ".idx", count - first
+    return (np.fromfile(idx, dtype=np.int32, count=n, offset=HEADER + 4 * first),
+            np.fromfile(idx, dtype=np.int64, count=n, offset=HEADER + 4 * count + 8 * first))
 
 
 def check_split(prefix: str) -> None:
-    """Refuse a split whose ``.bin`` is empty or shorter than its ``.idx`` says.
+    """Refuse a split whose ``.bin`` is empty or shorter than its ``.idx`` says (the last
+    sentence's end is read; the whole index only when the file is short).
 
     Raises:
         ValueError: naming the file, its size, what the index needs and the first sentence
             (the line of the text fairseq-preprocess read) that is missing.
     """
-    index = _index(prefix)
-    if index is None:
+    header = _header(prefix)
+    if header is None:
         return
-    dtype, sizes, pointers = index
+    dtype, count = header
     path = prefix + ".bin"
     have = os.path.getsize(path)
     if have == 0:
-        raise ValueError(f"{path} is empty ({len(sizes):,} sentences in its index): the split has no "
+        raise ValueError(f"{path} is empty ({count:,} sentences in its index): the split has no "
                          f"tokens; fairseq-preprocess wrote it from an empty text file, or {REMEDY}")
+    sizes, pointers = _lengths_and_offsets(prefix, count, max(count - 1, 0))
     ends = pointers + sizes.astype(np.int64) * dtype.itemsize
     if len(ends) and ends[-1] > have:
-        first = int(np.argmax(ends > have))
+        sizes, pointers = _lengths_and_offsets(prefix, count)
+        first = int(np.argmax(pointers + sizes.astype(np.int64) * dtype.itemsize > have))
         raise ValueError(f"{path} has {have:,} bytes where its index ({prefix}.idx) needs "
                          f"{int(ends[-1]):,}: the file is truncated from sentence {first + 1:,} "
                          f"(line {first + 1:,} of the text fairseq-preprocess read) on; {REMEDY}")
@@ -91,15 +99,15 @@ def check_token_ids(prefix: str, entries: int) -> None:
     Raises:
         ValueError: naming the file, the id, its sentence and the dictionary.
     """
-    index = _index(prefix)
-    if index is None or not len(index[1]):
+    header = _header(prefix)
+    if header is None or header[1] == 0:
         return
-    dtype, _, pointers = index
+    dtype, count = header
     ids = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
-    largest = int(ids.max())
-    if largest < entries:
+    if int(ids.max()) < entries:
         return
     at = int(np.argmax(ids >= entries))
+    _, pointers = _lengths_and_offsets(prefix, count)
     sentence = int(np.searchsorted(pointers, at * dtype.itemsize, side="right"))
     raise ValueError(f"{prefix}.bin: token id {int(ids[at]):,} in sentence {sentence:,} (line "
                      f"{sentence:,} of the text fairseq-preprocess read) is beyond the "
