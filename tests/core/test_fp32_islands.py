@@ -247,3 +247,108 @@ def test_the_probe_takes_only_a_kernel_that_computes_as_the_island(monkeypatch, 
         assert calls == [(dtype if direct else torch.float32, torch.float32)]
         assert out.dtype == dtype
         assert torch.equal(out, _fake_kernels()["as the island"](x, (16,), island.weight, island.bias))
+
+
+def _island_with_weights(width, dtype):
+    torch.manual_seed(0)
+    island = keep_in_fp32(nn.LayerNorm(width))
+    with torch.no_grad():
+        island.weight.normal_(1.0, 0.5)
+        island.bias.normal_()
+    return island.to(dtype)
+
+
+def _recording_compiled(monkeypatch):
+    from fairseq_fp16.core import fp32_islands
+
+    calls, compiled = [], fp32_islands._compiled_layer_norm
+
+    def recording(x, weight, bias, eps):
+        calls.append(tuple(x.shape))
+        return compiled(x, weight, bias, eps)
+
+    monkeypatch.setattr(fp32_islands, "_compiled_layer_norm", recording)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_large_cpu_island_runs_compiled_keeping_the_half_input(monkeypatch, dtype):
+    """A CPU LayerNorm island of 2**18 elements runs its definition compiled, once, on its input
+    as rows: the output and input gradient within one ulp of the eager island's (or 1e-6 of the
+    largest, where a sum cancels), the weights' gradients fp32 sums within 1e-5 of the exact
+    ones, and the backward keeps the half input instead of an fp32 copy of it."""
+    from fairseq_fp16.core.fp32_islands import COMPILED_NORM_MIN_NUMEL, within_one_ulp
+
+    calls = _recording_compiled(monkeypatch)
+    island = _island_with_weights(512, dtype)
+    x = (torch.randn(64, 8, 512) * 3 + 1).to(dtype)
+    dy = torch.randn(64, 8, 512).to(dtype)
+    assert x.numel() == COMPILED_NORM_MIN_NUMEL
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    xi = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = island(xi)
+    y.backward(dy)
+    assert calls.count((512, 512)) == 1 and y.shape == x.shape and y.dtype == dtype
+
+    def eager(xr, w, b):
+        return F.layer_norm(xr.float(), (512,), w, b).to(dtype)
+
+    ref_y, ref_dx, _, _ = _layer_norm_grads(eager, x, dy, island.weight, island.bias)
+    assert within_one_ulp(y, ref_y, dtype, scale_slack=1e-6)
+    assert within_one_ulp(xi.grad, ref_dx, dtype, scale_slack=1e-6)
+    exact_w, exact_b = _exact_weight_grads(x.view(-1, 512), dy.view(-1, 512))
+    for grad, exact in ((island.weight.grad, exact_w), (island.bias.grad, exact_b)):
+        assert grad.dtype == torch.float32
+        assert (grad.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    input_sized = [dt for dt, n in saved if n == x.numel()]
+    assert input_sized and set(input_sized) == {dtype}
+
+
+def test_small_inputs_no_grad_and_watched_runs_keep_the_eager_island(monkeypatch):
+    """Below 2**18 elements, without autograd (validation, generation) and under a dispatch mode
+    (an operator census) the island casts as before: bit for bit its eager definition."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    calls = _recording_compiled(monkeypatch)
+    island = _island_with_weights(512, torch.bfloat16)
+    small = torch.randn(63, 8, 512).to(torch.bfloat16)
+    large = torch.randn(64, 8, 512).to(torch.bfloat16)
+
+    def eager(x):
+        return F.layer_norm(x.float(), (512,), island.weight, island.bias).to(x.dtype)
+
+    assert torch.equal(island(small), eager(small))
+    with torch.no_grad():
+        assert torch.equal(island(large), eager(large))
+    with Watch():
+        assert torch.equal(island(large), eager(large))
+    assert calls == []
+
+
+def test_an_island_whose_compiled_kernel_cannot_be_built_casts_and_says_why(monkeypatch, caplog):
+    from fairseq_fp16.core import fp32_islands
+
+    def no_compiler():
+        def fail(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        return fail
+
+    monkeypatch.setattr(fp32_islands, "_COMPILED_NORM", {})
+    monkeypatch.setattr(fp32_islands, "_compiled_island_layer_norm", no_compiler)
+    island = _island_with_weights(512, torch.bfloat16)
+    x = torch.randn(64, 8, 512).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger=fp32_islands.__name__):
+        y = island(x.requires_grad_())
+    assert torch.equal(y, F.layer_norm(x.float(), (512,), island.weight, island.bias).to(x.dtype))
+    assert fp32_islands._COMPILED_NORM == {torch.bfloat16: False}
+    assert "torch.compile cannot build their fused kernel here (RuntimeError: InvalidCxxCompiler" in caplog.text
