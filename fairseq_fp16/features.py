@@ -20,10 +20,9 @@ those methods and calls these functions:
 * :func:`bucket_training_batches` (``--length-buckets``) and :func:`first_epoch_order` (a
   resumed run trains on the batches of the uninterrupted one).
 
-Flags are read from the task's config (``cfg``, or a legacy task's ``args``), where every task has
-them (:mod:`fairseq_fp16.flags`); a config without them (a stock checkpoint's) gives the
-defaults. The precision is the run's (:func:`fairseq_fp16.precision.current`) or,
-before a command's ``main`` started, the task config's ``fp16``/``bf16``.
+The precision and the flags are the task's run context (:func:`fairseq_fp16.context.run_context`:
+made from the task's config, where every task has the flags; a config without them, a stock
+checkpoint's, gives the defaults).
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
-from .core.buckets import BucketedBatching, parse_length_buckets
+from .batching import BucketedBatching
+from .core.buckets import parse_length_buckets
 from .core.compile import compile_training_forward
 from .core.divergence import forward_divergence, summarize_divergence
 from .core.dropout import AUTO_MIN_NUMEL, counter_dropout_available
@@ -49,33 +49,17 @@ from .core.fp32_islands import apply_fp32_islands
 from .core.fused_loss import PATHS as FUSED_LOSS_PATHS
 from .core.half_matmul import NativeHalfProducts, resolve_half_matmul
 from .core.master_weights import tag_param_names
+from .core.swap import swap_attribute
 from .core.ngram_block import NGramBlock
-from . import run_info
-from .flags import flag, resolve_attention_path, task_config
-from .precision import Precision, current
+from .context import RunContext, run_context
+from .flags import resolve_attention_path
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["COUNTER_MASKS", "TaskState", "avoid_cudnn_attention", "bucket_training_batches",
            "cpu_autocast", "cpu_dropout_masks", "divergence_due",
            "first_epoch_order", "fused_criterion", "inference_model", "measure_divergence",
-           "native_products_check", "prepare_model", "repair_ngram_blocker", "task_flag",
-           "task_precision", "task_state"]
-
-
-def task_flag(task, name, default):
-    """The task's flag ``name`` (:func:`fairseq_fp16.flags.flag` of its config)."""
-    return flag(task_config(task), name, default)
-
-
-def task_precision(task) -> Precision:
-    """The run's precision, or the task config's ``fp16``/``bf16`` before a command's main."""
-    run = current()
-    if run is not None:
-        return run
-    cfg = task_config(task)
-    return Precision.from_flags(bool(flag(cfg, "fp16", False)), bool(flag(cfg, "bf16", False)),
-                                cpu=bool(flag(cfg, "cpu", False)))
+           "native_products_check", "prepare_model", "repair_ngram_blocker", "task_state"]
 
 
 def avoid_cudnn_attention() -> bool:
@@ -97,14 +81,14 @@ def avoid_cudnn_attention() -> bool:
 
 
 class TaskState:
-    """What the features keep per task instance."""
+    """What the features keep per task instance: its run context, and what the steps decided."""
 
-    def __init__(self, task) -> None:
-        precision = task_precision(task)
-        self.precision = precision
+    def __init__(self, context: RunContext) -> None:
+        self.context = context
+        precision = self.precision = context.precision
+        choice = str(context.flags.half_matmul)
         self.fp32_accumulate = bool(
-            precision.is_half and precision.on_cpu
-            and resolve_half_matmul(str(task_flag(task, "half_matmul", "auto")), precision.dtype))
+            precision.is_half and precision.on_cpu and resolve_half_matmul(choice, precision.dtype))
         self.checked_steps = set()  # steps whose native half products were counted
         self.divergence_done = None  # the update whose forward divergence was measured
         self.amp_logged = False  # cpu_autocast said what --amp does on the CPU
@@ -112,9 +96,9 @@ class TaskState:
         if precision.is_half and precision.on_cpu:
             half_matmul = "{} (--half-matmul {})".format(
                 "fp32 accumulation, rounded to half" if self.fp32_accumulate else "native kernels",
-                task_flag(task, "half_matmul", "auto"))
+                choice)
             logger.info("CPU %s matrix products: %s", precision.name, half_matmul)
-        run_info.record(precision=precision.name, device="cpu" if precision.on_cpu else "cuda",
+        context.record.record(precision=precision.name, device="cpu" if precision.on_cpu else "cuda",
                         half_matmul=half_matmul, native_half_products=None)
 
 
@@ -122,7 +106,7 @@ def task_state(task) -> TaskState:
     """The precision features' state of ``task``, made on first use."""
     state = task.__dict__.get("_fairseq_fp16_state")
     if state is None:
-        state = task.__dict__["_fairseq_fp16_state"] = TaskState(task)
+        state = task.__dict__["_fairseq_fp16_state"] = TaskState(run_context(task))
     return state
 
 
@@ -130,9 +114,9 @@ def task_state(task) -> TaskState:
 def prepare_model(task, model):
     """Names, fp32 islands, attention path and compiled layers for ``model`` (idempotent)."""
     state = task_state(task)
-    precision = state.precision
+    precision, flags = state.precision, state.context.flags
     tag_param_names(model.named_parameters())
-    regex = task_flag(task, "fp32_modules", None)
+    regex = flags.fp32_modules
     matched = apply_fp32_islands(model, regex)
     if regex:
         if matched:
@@ -140,7 +124,7 @@ def prepare_model(task, model):
         else:
             logger.warning("--fp32-modules %r matched no module name; names look like %s", regex,
                            ", ".join(n for n, _ in list(model.named_modules())[1:4]))
-    choice = str(task_flag(task, "attention_path", "auto"))
+    choice = str(flags.attention_path)
     path = resolve_attention_path(choice, precision.is_half, precision.on_cpu)
     attentions = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
     if path == "fairseq":
@@ -151,16 +135,16 @@ def prepare_model(task, model):
     if attentions:
         logger.info("attention: %s (--attention-path %s)", "fairseq's own, softmax in fp32"
                     if path == "fairseq" else "torch's fused multi_head_attention_forward", choice)
-    run_info.record(attention=path if attentions else None,
-                    compile_layers=bool(task_flag(task, "compile_layers", False)),
-                    cpu_dropout=cpu_dropout_masks(task, model))
-    if task_flag(task, "compile_layers", False):
+    state.context.record.record(attention=path if attentions else None,
+                                compile_layers=bool(flags.compile_layers),
+                                cpu_dropout=cpu_dropout_masks(task, model))
+    if flags.compile_layers:
         layers = [m for m in model.modules()
                   if isinstance(m, (TransformerEncoderLayerBase, TransformerDecoderLayerBase))]
         if not layers:
             raise ValueError(f"--compile-layers: {type(model).__name__} has no transformer "
                              "encoder or decoder layers to compile")
-        graphs = bool(task_flag(task, "cuda_graphs", False))
+        graphs = bool(flags.cuda_graphs)
         compile_training_forward(layers, mode="reduce-overhead" if graphs else None)
         logger.info("--compile-layers: the training forward of %d transformer layers is "
                     "compiled (torch.compile, dynamic shapes%s)", len(layers), "" if not graphs
@@ -185,10 +169,11 @@ def cpu_dropout_masks(task, model) -> Optional[str]:
         ValueError: ``--cpu-dropout counter`` where torch.compile cannot build the kernel.
     """
     dropouts = [m for m in model.modules() if isinstance(m, FairseqDropout)]
-    precision = task_state(task).precision
+    state = task_state(task)
+    precision = state.precision
     if not dropouts or not precision.on_cpu:
         return None
-    choice = str(task_flag(task, "cpu_dropout", "auto"))
+    choice = str(state.context.flags.cpu_dropout)
     if choice == "counter" and not counter_dropout_available(precision.dtype):
         raise ValueError("--cpu-dropout counter: torch.compile cannot build the counter-based "
                          "mask on this machine (the warning above says why); use --cpu-dropout "
@@ -209,9 +194,10 @@ def fused_criterion(task, criterion, cfg):
     run and the criterion take one."""
     from .fused_criterion import fused_criterion_class
 
-    mode = str(task_flag(task, "fused_loss", "auto"))
-    run_info.record(fused_loss=False)
-    if mode == "off" or (mode == "auto" and not task_state(task).precision.is_half):
+    state = task_state(task)
+    mode = str(state.context.flags.fused_loss)
+    state.context.record.record(fused_loss=False)
+    if mode == "off" or (mode == "auto" and not state.precision.is_half):
         return criterion
     fused = fused_criterion_class(criterion)
     if fused is None:
@@ -219,11 +205,11 @@ def fused_criterion(task, criterion, cfg):
             "--fused-loss %s: the criterion %s has no fused loss (only cross_entropy and "
             "label_smoothed_cross_entropy); its own is used", mode, type(criterion).__name__)
         return criterion
-    run_info.record(fused_loss=True)
+    state.context.record.record(fused_loss=True)
     fused_loss = fused.build_criterion(cfg, task)
     if mode in FUSED_LOSS_PATHS:
         fused_loss.fused_loss_path = mode
-    elif task_flag(task, "compile_layers", False):  # compiled layers: the compiled loss too
+    elif state.context.flags.compile_layers:  # compiled layers: the compiled loss too
         fused_loss.fused_loss_path = "compiled"
     path = fused_loss.fused_loss_path
     logger.info("--fused-loss %s: %s computes its loss from the logits in fp32 chunks%s, "
@@ -262,7 +248,7 @@ def native_products_check(state: TaskState, step: str):
     with NativeHalfProducts() as check:
         yield
     if step == "training step":
-        run_info.record(native_half_products=sum(check.counts.values()))
+        state.context.record.record(native_half_products=sum(check.counts.values()))
     if check.counts:
         logger.warning(
             "--half-matmul: %d half-precision matrix products of the first %s ran on torch's "
@@ -275,13 +261,14 @@ def native_products_check(state: TaskState, step: str):
                     "accumulated in fp32", step)
 
 
-def divergence_due(task, state, sample, optimizer, update_num, ignore_grad) -> bool:
-    interval = int(task_flag(task, "precision_divergence_interval", 0))
+def divergence_due(state: TaskState, sample, optimizer, update_num, ignore_grad) -> bool:
+    interval = int(state.context.flags.precision_divergence_interval or 0)
     if (not interval or update_num % interval or update_num == state.divergence_done
             or ignore_grad or not sample or "net_input" not in sample
             or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0)):
         return False
-    if getattr(optimizer, "core", None) is None:  # no plugin masters to compare against
+    masters = getattr(optimizer, "masters_by_param", None)
+    if masters is None or not masters():  # no plugin masters to compare against
         if state.divergence_done is None:
             logger.warning("--precision-divergence-interval: this run has no fp32 master "
                            "weights of the plugin's (an fp32 run, or an optimizer other than "
@@ -291,13 +278,14 @@ def divergence_due(task, state, sample, optimizer, update_num, ignore_grad) -> b
     return True
 
 
-def measure_divergence(task, state, sample, model, optimizer, update_num) -> None:
+def measure_divergence(state: TaskState, sample, model, optimizer, update_num) -> None:
     """The forward divergence of this update's batch (first micro-batch), logged and appended
     to the JSONL file."""
     state.divergence_done = update_num
     errors = forward_divergence(model, optimizer.masters_by_param(), sample["net_input"])
-    path = task_flag(task, "precision_divergence", None) or os.path.join(
-        task_flag(task, "save_dir", "."), "precision_divergence.jsonl")
+    context = state.context
+    path = context.flags.precision_divergence or os.path.join(
+        context.save_dir, "precision_divergence.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     record = {"update": update_num, "dtype": str(state.precision.dtype).replace("torch.", ""),
               "modules": errors}
@@ -331,10 +319,11 @@ def repair_ngram_blocker(generator):
 # -------------------------------------------------------------------------------------- batches
 def bucket_training_batches(task, dataset) -> None:
     """``--length-buckets``: the training set batches and collates in bucket shapes
-    (:class:`~fairseq_fp16.core.buckets.BucketedBatching`)."""
-    choice = parse_length_buckets(task_flag(task, "length_buckets", "off"))
+    (:class:`~fairseq_fp16.batching.BucketedBatching`)."""
+    context = run_context(task)
+    choice = parse_length_buckets(context.flags.length_buckets)
     datasets = getattr(task, "datasets", None) or {}
-    if choice is not None and dataset is datasets.get(task_flag(task, "train_subset", "train")):
+    if choice is not None and dataset is datasets.get(context.train_subset):
         BucketedBatching.install(dataset, choice)
 
 
@@ -347,18 +336,14 @@ def first_epoch_order(dataset, seed: int):
     or later would train on differently composed batches than the uninterrupted run. Ordered with
     the epoch-1 seed, every run sees the batches a fresh run makes."""
     ordered_indices = dataset.ordered_indices
-    own = vars(dataset).get("ordered_indices")
 
     @wraps(ordered_indices)
     def ordered():
         with data_utils.numpy_seed(seed + 1):
             return ordered_indices()
 
-    dataset.ordered_indices = ordered
+    undo = swap_attribute(dataset, "ordered_indices", ordered)
     try:
         yield
     finally:
-        if own is None:
-            del dataset.ordered_indices
-        else:
-            dataset.ordered_indices = own
+        undo()

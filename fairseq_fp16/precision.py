@@ -9,12 +9,8 @@ of reading ``--fp16``/``--bf16`` themselves::
     precision.loss_scale                         # LossScaleSpec(dynamic=True, scale=None)
 
 fp32 is a precision like the others: its ``dtype`` is ``torch.float32``, ``is_half`` is False,
-and the features built from it do nothing.
-
-:func:`current` is the precision of the fairseq command running in this process, captured as
-fairseq hands the run's ``common`` config to ``utils.import_user_module`` at the start of every
-command's ``main`` (:mod:`fairseq_fp16.patches.run`). Task-level features read it, so that any
-task, not only ``translation_fp16``, gets them.
+and the features built from it do nothing. A run's is kept in its run context
+(:mod:`fairseq_fp16.context`).
 """
 
 from __future__ import annotations
@@ -26,10 +22,12 @@ import torch
 
 from .core.loss_scaler import parse_loss_scale
 
-__all__ = ["NAMES", "LossScaleSpec", "Precision", "current", "set_current"]
+__all__ = ["EXCLUSIVE", "NAMES", "LossScaleSpec", "Precision", "exclusive"]
 
 NAMES = ("fp32", "fp16", "bf16")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def exclusive(fp16: str = "--fp16", bf16: str = "--bf16") -> str:
     """The refusal of an fp16 flag given with a bf16 one."""
     return f"{fp16} and {bf16} are exclusive: pick one precision"
@@ -116,16 +114,3 @@ class Precision:
     def __str__(self) -> str:
         return self.name
 
-
-_CURRENT: Optional[Precision] = None
-
-
-def current() -> Optional[Precision]:
-    """The precision of the fairseq command running in this process (None before its
-    ``main`` started, e.g. when a model is built by a script)."""
-    return _CURRENT
-
-
-def set_current(precision: Optional[Precision]) -> None:
-    global _CURRENT
-    _CURRENT = precision

@@ -13,7 +13,6 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_cli import generate as generate_cli
 from fairseq_cli import train as train_cli
 
-from fairseq_fp16 import precision, run_info
 from fairseq_fp16.patches import REGISTRY
 
 
@@ -48,20 +47,6 @@ def _on_load(hook: Optional[Callable]):
 
 
 @contextlib.contextmanager
-def _run_state_restored():
-    """The plugin's record of the run (its precision, SAVE_DIR/run_info.json) as before: a later
-    task built in this process reads them."""
-    before, info, path = precision.current(), run_info.recorded(), run_info._PATH
-    try:
-        yield
-    finally:
-        precision.set_current(before)
-        run_info._INFO.clear()
-        run_info._INFO.update(info)
-        run_info._PATH = path
-
-
-@contextlib.contextmanager
 def _quiet():
     """fairseq's INFO logs off (it logs each update and its whole config)."""
     previous = logging.root.manager.disable
@@ -77,7 +62,6 @@ def fairseq_train(args: Sequence[str], stock: bool = False, on_load: Optional[Ca
     name no --user-dir); ``on_load(trainer, extra_state)`` runs once the checkpoint (if any) is
     loaded, before the first update."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_run_state_restored())
         if stock:
             stack.enter_context(_stock_fairseq())
         stack.enter_context(_on_load(on_load))
@@ -91,7 +75,7 @@ def fairseq_generate(args: Sequence[str]) -> str:
     """``fairseq-generate ARGS`` in this process; returns what it prints (the S-, T-, H- and P-
     lines and the BLEU line)."""
     out = io.StringIO()
-    with _run_state_restored(), contextlib.redirect_stdout(out), _quiet():
+    with contextlib.redirect_stdout(out), _quiet():
         parser = options.get_generation_parser()
         generate_cli.main(options.parse_args_and_arch(parser, input_args=[str(a) for a in args]))
     return out.getvalue()

@@ -1,4 +1,4 @@
-"""--ema-fp32 in a half run: the trainer's EMA (patches/trainer.py's MastersEMA) averages the fp32
+"""--ema-fp32 in a half run: the trainer's EMA (fairseq_fp16/ema.py's MastersEMA) averages the fp32
 masters, without recording an autograd graph in its tensors and with tied weights read under
 every key."""
 

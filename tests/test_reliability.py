@@ -98,12 +98,12 @@ def test_nan_loss_update_leaves_masters_and_optimizer_state_bit_identical(precis
     _assert_bitwise_equal(before_state["optimizer"], after_state["optimizer"], "optimizer")
     _assert_bitwise_equal(before_weights, after_weights, "model")
     assert after_scaler["num_overflows"] == before_scaler["num_overflows"] + 1
-    assert opt.num_skipped == 1 and opt.consecutive_overflows == 1
+    assert opt.overflow.skipped == 1 and opt.overflow.consecutive == 1
     # the next clean update steps normally and resets the run of overflows
     opt.backward(_loss(model))
     opt.clip_grad_norm(0.0)
     opt.step()
-    assert opt.consecutive_overflows == 0
+    assert opt.overflow.consecutive == 0
     assert not torch.equal(model[0].weight, after_weights[0])
 
 
@@ -118,7 +118,7 @@ def test_consecutive_overflow_count_survives_a_checkpoint():
     state = opt.state_dict()
     again = plugin_optimizer(fairseq_cfg(max_consecutive_overflows=5), list(model.parameters()), "fp16")
     again.load_state_dict(state)
-    assert (again.consecutive_overflows, again.num_skipped, again.loss_scaler.loss_scale) == (2, 2, 32.0)
+    assert (again.overflow.consecutive, again.overflow.skipped, again.loss_scaler.loss_scale) == (2, 2, 32.0)
 
 
 @pytest.mark.parametrize("loss_scale,counted", [(None, [0, 0, 1]), ("8", [1, 2, 3])])
@@ -134,7 +134,7 @@ def test_only_overflows_a_smaller_scale_cannot_fix_are_counted(loss_scale, count
         opt.backward(loss * 2.0**100 if not poison else loss)  # finite loss, overflowing fp16 gradients
         with pytest.raises(OverflowError):
             opt.clip_grad_norm(0.0)
-        seen.append(opt.consecutive_overflows)
+        seen.append(opt.overflow.consecutive)
     assert seen == counted
 
 

@@ -195,7 +195,7 @@ def live_canon(trainer):
     return {
         "num_updates": trainer.get_num_updates(), "weights": weights, "half": half, "state": per,
         "scaler": wrapper.loss_scaler.state_dict() if wrapper.loss_scaler is not None else None,
-        "skipped": wrapper.num_skipped,
+        "skipped": wrapper.overflow.skipped,
         "ema_fp32": {k: v.clone() for k, v in ema.fp32_params.items()} if ema is not None else None,
         "ema": {k: v.clone() for k, v in ema.get_model().state_dict().items()} if ema is not None else None,
     }

@@ -43,6 +43,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from .swap import swap_attribute
+
 __all__ = ["compile_training_forward", "dispatch_mode_active", "hold_eager", "is_compiled",
            "release_eager"]
 
@@ -82,7 +84,7 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
                                  **{k: _contiguous(v) for k, v in kwargs.items()})
             return _eager(*args, **kwargs)
 
-        module.forward = forward
+        swap_attribute(module, "forward", forward)
         setattr(module, _MARK, True)
         count += 1
     return count

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from typing import Any, Dict, Optional
 
 import torch
@@ -35,6 +34,7 @@ from fairseq.optim import FairseqOptimizer
 from ..core.diagnostics import NonFiniteWatch, attribute_overflow
 from ..core.loss_scaler import LossScaler
 from ..core.master_weights import MixedPrecisionOptimizer
+from ..core.overflow import OverflowRecord, stop_cause
 from ..core.param_names import param_name
 from ..core.ranks import agree_on_every_rank, first_on_any_rank
 from .stock_state import (PLUGIN_TAG, STOCK_HALF, check_same_optimizer, describe_state, import_stock_state,
@@ -140,10 +140,8 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         #: the --optimizer it wraps, recorded in checkpoints: a resume with another is refused
         self.optimizer_name = getattr(_section(cfg, "optimizer"), "_name", None)
         params = list(params)
-        self.num_skipped = 0  # updates skipped for overflow (host-side count)
-        self.consecutive_overflows = 0  # skipped updates in a row (host-side)
-        self.overflow_pending = False  # set by an overflow, cleared by zero_grad
-        self.stop_error: Optional[FloatingPointError] = None  # why the run stopped
+        #: the run's overflow counters (the trainer patch reads it; checkpoints keep its counts)
+        self.overflow = OverflowRecord()
         self._params = params
         if precision.is_half:
             self.strategy = _MasterWeights(self, cfg, params, precision)
@@ -153,10 +151,6 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         self._optimizer = self.inner.optimizer
 
     # what the trainer, the task and the diagnostics read
-    @property
-    def core(self) -> Optional[MixedPrecisionOptimizer]:
-        return self.strategy.core
-
     @property
     def loss_scaler(self) -> Optional[LossScaler]:
         return self.strategy.loss_scaler
@@ -183,11 +177,13 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
     def fp32_params(self):
         """The fp32 master weights (half runs; None in fp32), as fairseq's FP16Optimizer
         exposes its own for wrappers that average them (SlowMo)."""
-        return None if self.core is None else self.core.master_params
+        core = self.strategy.core
+        return None if core is None else core.master_params
 
     def masters_by_param(self) -> Dict[int, torch.Tensor]:
         """``id(model parameter) -> its fp32 master`` for the half parameters (none in fp32)."""
-        return {} if self.core is None else self.core.masters_by_param()
+        core = self.strategy.core
+        return {} if core is None else core.masters_by_param()
 
     @property
     def supports_flat_params(self):
@@ -210,7 +206,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         return self.strategy.step(closure, scale, groups)
 
     def zero_grad(self):
-        self.overflow_pending = False
+        self.overflow.next_update()
         self.strategy.zero_grad()
 
     def begin_epoch(self, epoch: int) -> None:
@@ -221,7 +217,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         state = self.strategy.state_dict()
         state["precision"] = self.precision
         state["optimizer_name"] = self.optimizer_name
-        state["num_skipped"] = self.num_skipped
+        state.update(self.overflow.state_dict())
         return state
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
@@ -242,8 +238,7 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
             logger.info("fairseq_fp16: resumed from stock fairseq's %s state: %s%s carried over",
                         state_dict.pop("stock"), describe_state(state_dict["optimizer"]),
                         "".join(f", {k}" for k in state_dict.pop("carried")))
-        self.num_skipped = int(state_dict.get("num_skipped", 0))
-        self.consecutive_overflows = int(state_dict.get("consecutive_overflows", 0))
+        self.overflow.load_state_dict(state_dict)
         self.strategy.load_state_dict(state_dict, optimizer_overrides)
 
 
@@ -351,7 +346,7 @@ class _MasterWeights:
         self.core.multiply_grads(c)
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
-        owner = self.owner
+        record = self.owner.overflow
         grad_norm = self.core.clip_grad_norm(max_norm)
         if aggregate_norm_fn is not None:
             grad_norm = aggregate_norm_fn(grad_norm)
@@ -362,8 +357,7 @@ class _MasterWeights:
         if diag is not None:
             diag.begin_update()
         if overflow:
-            owner.overflow_pending = True
-            owner.num_skipped += 1
+            record.overflowed()
             # Only on this (already synced) overflow step: name the culprits.
             culprits = attribute_overflow(self.core.model_params)
             if culprits:
@@ -375,21 +369,21 @@ class _MasterWeights:
             self.core.skip_step()
             self._log_counters()
             if diag is not None:
-                diag.trace(owner, grad_norm, overflow=True, culprits=culprits)
+                diag.trace(grad_norm, overflow=True, skipped=record.skipped,
+                           loss_scale=self.loss_scaler.loss_scale, culprits=culprits)
             try:
                 self.loss_scaler.check_min_scale()  # FloatingPointError stops the run
                 self._count_overflow(culprits)
             except FloatingPointError as e:
-                owner.stop_error = e  # the trainer patch re-raises it if fairseq's re-run fails
-                raise
+                raise record.stop(e)  # the trainer patch re-raises it if fairseq's re-run fails
             raise OverflowError(f"setting loss scale to: {self.loss_scaler.loss_scale:.12g}")
         self.core.note_finite()  # the unfused step need not check again
-        owner.consecutive_overflows = 0
+        record.finite()
         if self.watch is not None:
             self.watch.disarm()
         self._log_counters()
         if diag is not None:
-            diag.note_finite(owner, grad_norm)
+            diag.note_finite(grad_norm, skipped=record.skipped, params=self.core.model_params)
         return grad_norm
 
     def _count_overflow(self, culprits) -> None:
@@ -412,43 +406,21 @@ class _MasterWeights:
                                      self.loss_scaler.scale_tensor.device)
         if loss_finite and self.loss_scaler.dynamic:
             return
-        self.owner.consecutive_overflows += 1
-        if self.owner.consecutive_overflows < limit:
+        record = self.owner.overflow
+        if not record.count(limit):
             return
         first = first_on_any_rank(self.watch.first if self.watch is not None else None)
-        if first is not None:
-            cause = (
-                f"the forward pass is not finite: first {first['kind']} in the output of "
-                f"{first['module']} ({first['type']}, {first['dtype']}), which loss scaling cannot "
-                f"fix; keep it in fp32 (--fp32-modules '{re.escape(first['module'])}'), try "
-                "--bf16, lower --lr, or check the input data"
-            )
-        elif not loss_finite:
-            cause = ("the forward pass is finite up to the model's output but the loss is not: "
-                     "check the criterion and the batch (empty or corrupt targets)")
-        elif not culprits:
-            cause = ("the gradient norm overflowed although every gradient is finite (the sum of "
-                     "their squares exceeds the fp32 range): the gradients have grown enormous; "
-                     "lower --lr, and clip with --clip-norm so that the updates stay bounded")
-        elif self.precision.name == "fp16":  # a static scale (a dynamic one is not counted here)
-            names = ", ".join(c["param"] for c in culprits)
-            cause = (f"the forward pass and loss are finite, but the gradients overflow fp16 at the "
-                     f"static loss scale {self.loss_scaler.loss_scale:.12g}, which is too high for "
-                     f"them (in: {names}); lower --loss-scale, or use --loss-scale 0 (dynamic: the "
-                     "scale backs off until the gradients fit)")
-        else:
-            names = ", ".join(c["param"] for c in culprits)
-            cause = (f"the forward pass and loss are finite; gradients overflow in: {names}; "
-                     "lower --lr, clip with --clip-norm, or keep those modules in fp32 "
-                     "(--fp32-modules)")
+        static_fp16 = self.precision.name == "fp16" and not self.loss_scaler.dynamic
+        cause = stop_cause(first_nonfinite=first, loss_finite=loss_finite, culprits=culprits,
+                           static_fp16_scale=self.loss_scaler.loss_scale if static_fp16 else None)
         raise FloatingPointError(
-            f"fairseq_fp16: {self.owner.consecutive_overflows} consecutive updates skipped for "
+            f"fairseq_fp16: {record.consecutive} consecutive updates skipped for "
             f"non-finite gradients (--max-consecutive-overflows {limit}; loss scale now "
             f"{self.loss_scaler.loss_scale:.6g}): {cause}"
         )
 
     def _log_counters(self) -> None:
-        metrics.log_scalar("skipped", self.owner.num_skipped, priority=710, round=0, weight=0)
+        metrics.log_scalar("skipped", self.owner.overflow.skipped, priority=710, round=0, weight=0)
         if self.precision.name == "bf16":  # the trainer logs loss_scale for fp16 only
             metrics.log_scalar("loss_scale", self.owner.scaler.loss_scale, priority=700, round=4, weight=0)
 
@@ -462,16 +434,15 @@ class _MasterWeights:
             diag.lost.before_step(self.core.master_params)
         self.core.step()
         if diag is not None:
-            diag.after_step(self.owner)
+            diag.after_step(skipped=self.owner.overflow.skipped,
+                            loss_scale=self.loss_scaler.loss_scale)
 
     def zero_grad(self):
         self._losses = []
         self.core.zero_grad()
 
     def state_dict(self) -> Dict[str, Any]:
-        state = self.core.state_dict()
-        state["consecutive_overflows"] = self.owner.consecutive_overflows
-        return state
+        return self.core.state_dict()
 
     def from_stock(self, state_dict) -> Dict[str, Any]:
         core, stock = self.core, state_dict["stock"]

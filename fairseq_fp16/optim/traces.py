@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -85,29 +85,34 @@ class Diagnostics:
                 if getattr(self, attr):
                     _start_over(getattr(self, attr), self.attempt, flag)
 
-    def note_finite(self, opt, grad_norm: torch.Tensor) -> None:
-        """A finite update: its trace record waits for the step; statistics when due."""
+    def note_finite(self, grad_norm: torch.Tensor, skipped: int,
+                    params: Sequence[torch.Tensor]) -> None:
+        """A finite update (``skipped``: the run's skipped updates): its trace record waits for
+        the step; the statistics of the half ``params``' gradients when due."""
         self.pending_norm = grad_norm
-        applied = self.attempt - opt.num_skipped  # this update included
+        applied = self.attempt - skipped  # this update included
         if self.interval and applied % self.interval == 0:
-            self.pending_stats = gradient_precision_stats(opt.core.model_params, self.dtype)
+            self.pending_stats = gradient_precision_stats(params, self.dtype)
 
     @staticmethod
     def _write(path: str, record: Dict[str, Any]) -> None:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def _counts(self, opt) -> Dict[str, int]:
-        return {"update": self.attempt, "num_updates": self.attempt - opt.num_skipped}
+    def _counts(self, skipped: int) -> Dict[str, int]:
+        return {"update": self.attempt, "num_updates": self.attempt - skipped}
 
-    def trace(self, opt, grad_norm, overflow: bool, culprits=None) -> None:
+    def trace(self, grad_norm, overflow: bool, skipped: int, loss_scale: float,
+              culprits=None) -> None:
+        """The ``--scale-trace`` record of an update (``skipped``: the run's skipped updates,
+        this one included if it overflowed)."""
         if not self.trace_file:
             return
         record = {
             # the rank that wrote it: 0 (kept for the readers of older traces, which every rank wrote)
             "rank": rank(),
-            **self._counts(opt),
-            "loss_scale": opt.loss_scaler.loss_scale,
+            **self._counts(skipped),
+            "loss_scale": loss_scale,
             "overflow": overflow,
             "skipped": overflow,
             "grad_norm": float(grad_norm) if not overflow else None,
@@ -116,20 +121,21 @@ class Diagnostics:
             record["overflow_params"] = culprits or []
         self._write(self.trace_file, record)
 
-    def after_step(self, opt) -> None:
+    def after_step(self, skipped: int, loss_scale: float) -> None:
+        """Write what waited for the step: the statistics, and the trace record."""
         if self.pending_stats is not None:
             lost = self.lost.after_step()
             stats = self.pending_stats
             self.pending_stats = None
             for layer, frac in lost.items():
                 stats.setdefault(layer, {})["lost_update_frac"] = frac
-            counts = self._counts(opt)
-            record = {**counts, "loss_scale": opt.loss_scaler.loss_scale,
+            counts = self._counts(skipped)
+            record = {**counts, "loss_scale": loss_scale,
                       "dtype": str(self.dtype).replace("torch.", ""), "layers": stats}
             self._write(self.stats_file, record)
             logger.info("precision stats @ num_updates %d: %s", counts["num_updates"], summarize(stats))
         if self.pending_norm is not None:
-            self.trace(opt, self.pending_norm, overflow=False)
+            self.trace(self.pending_norm, overflow=False, skipped=skipped, loss_scale=loss_scale)
             self.pending_norm = None
 
 

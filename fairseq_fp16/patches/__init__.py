@@ -13,8 +13,8 @@ none: a fairseq whose source differs is refused with the patch and statement nam
     python -c "import fairseq_fp16.patches as p; print(p.describe())"
 
 Modules, by what they patch: :mod:`.trainer`, :mod:`.checkpoints`, :mod:`.distributed`,
-:mod:`.options`, :mod:`.prefetch` and :mod:`.run` (fairseq's trainer, checkpoint files,
-distributed start-up, option parsing, batch-prefetch threads and commands), :mod:`.tasks`
+:mod:`.options` and :mod:`.prefetch` (fairseq's trainer, checkpoint files, distributed
+start-up, option parsing and batch-prefetch threads), :mod:`.tasks`
 (the task base classes, which call the precision features of :mod:`fairseq_fp16.features` for every task), :mod:`.flags` (the task
 registry and constructors: the plugin's flags for every task), :mod:`.incremental_state`
 (the decoding-state lookup, for ``--compile-layers``), :mod:`.dropout` (``FairseqDropout``'s
@@ -30,13 +30,13 @@ import os
 import torch
 
 from . import (checkpoints, data, distributed, dropout, flags, incremental_state, options, prefetch,
-               run, tasks, trainer)
+               tasks, trainer)
 from .registry import GROUPS, REGISTRY, Patch
 
 __all__ = ["GROUPS", "PROCESS_SETTINGS", "REGISTRY", "Patch", "describe", "install", "is_installed",
            "uninstall"]
 
-for _module in (trainer, checkpoints, distributed, options, prefetch, run, tasks, flags,
+for _module in (trainer, checkpoints, distributed, options, prefetch, tasks, flags,
                 incremental_state, dropout, data):
     for _patch in _module.PATCHES:
         REGISTRY.add(_patch)

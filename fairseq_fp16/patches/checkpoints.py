@@ -17,6 +17,7 @@ import torch
 from fairseq.file_io import PathManager
 
 from .. import safe_load
+from ..ema import rebuild_ema_model
 from ..optim.stock_state import prepare_for_resume
 from .registry import Patch
 from .registry import original as _original
@@ -183,18 +184,8 @@ def _load_checkpoint(self, filename, *args, **kwargs):
         extra_state = _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs)
     finally:
         RESUMING.reset(token)
-    _ema_model_from_its_fp32_weights(self, extra_state)
+    rebuild_ema_model(self, extra_state)
     return extra_state
-
-
-def _ema_model_from_its_fp32_weights(trainer, extra_state) -> None:
-    """With ``--ema-fp32``, fairseq loads the EMA model from the checkpoint's EMA model (in the
-    writer's dtype) and the fp32 EMA beside it: a run in another half dtype holds the EMA model
-    rounded twice until the next EMA update rebuilds it from the fp32 EMA. It is rebuilt now,
-    as that update would."""
-    ema = trainer.cfg.ema
-    if extra_state and ema.store_ema and ema.ema_fp32 and "ema_fp32_params" in extra_state:
-        trainer.ema.restore(dict(trainer.ema.fp32_params), build_fp32_params=False)
 
 
 def _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs):

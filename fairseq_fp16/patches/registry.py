@@ -1,12 +1,14 @@
 """The registry behind :mod:`fairseq_fp16.patches`: what a patch is, how it is checked,
-installed and uninstalled."""
+installed and uninstalled. A change to one object rather than to fairseq's classes goes through
+:func:`fairseq_fp16.core.swap.swap_attribute`, with the same source check."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..core.swap import check_source
 
 __all__ = ["GROUPS", "REGISTRY", "Patch", "Registry", "original"]
 
@@ -77,13 +79,7 @@ class Patch:
             if differs:
                 raise RuntimeError(f"fairseq_fp16: {self.target} changed ({differs}); "
                                    "this plugin supports fairseq 0.12")
-        if not self.expects:
-            return
-        source = _source(obj)
-        for needle in self.expects:
-            if needle not in source:
-                raise RuntimeError(f"fairseq_fp16: {self.target} changed ({needle!r} not found); "
-                                   "this plugin supports fairseq 0.12")
+        check_source(self.target, obj, self.expects)
 
     def install(self) -> None:
         if self.installed or self.replacement is None:
@@ -105,14 +101,6 @@ class Patch:
             if self.on_uninstall:
                 self.on_uninstall()
         self.original = _MISSING
-
-
-def _source(obj: Any) -> str:
-    obj = inspect.unwrap(obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj)
-    if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismodule(obj)
-            or inspect.ismethod(obj)):
-        obj = type(obj)
-    return inspect.getsource(obj)
 
 
 class Registry:

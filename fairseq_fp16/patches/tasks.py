@@ -53,8 +53,8 @@ def _build_criterion_of(target):
 def _train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
     state = task_state(self)
     with half_matmul_context(state.fp32_accumulate):
-        if divergence_due(self, state, sample, optimizer, update_num, ignore_grad):
-            measure_divergence(self, state, sample, model, optimizer, update_num)
+        if divergence_due(state, sample, optimizer, update_num, ignore_grad):
+            measure_divergence(state, sample, model, optimizer, update_num)
         with native_products_check(state, "training step"), cpu_autocast(state, optimizer):
             return _original(f"{BASE}.train_step")(self, sample, model, criterion, optimizer,
                                                    update_num, ignore_grad)

@@ -2,10 +2,10 @@
 handler off CUDA, and an fp32 EMA of the masters.
 
 The trainer and the plugin's optimizer wrapper talk through the wrapper's own attributes: the
-trainer asks ``isinstance(optimizer, MixedPrecisionFairseqOptimizer)`` and then reads
-``stop_error`` and ``overflow_pending`` and calls ``begin_epoch``; the EMA the trainer builds is a
-:class:`MastersEMA`, which the trainer tells which wrapper's masters to average
-(:meth:`MastersEMA.follow`)."""
+trainer asks ``isinstance(optimizer, MixedPrecisionFairseqOptimizer)`` and then reads its
+``overflow`` record (whether this update overflowed, why the run stopped) and calls
+``begin_epoch``; the EMA the trainer builds is a :class:`fairseq_fp16.ema.MastersEMA`, which
+the trainer tells which wrapper's masters to average."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from itertools import chain
 from typing import Optional
 
 from fairseq.logging import metrics
-from fairseq.models.ema import EMA
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 
-from .. import run_info
+from ..context import RUN_INFO, run_context
 from ..core.param_names import tag_param_names
+from ..ema import MastersEMA
 from ..optim.mixed_precision import MixedPrecisionFairseqOptimizer
 from ..optim.stock_state import history_names
 from ..precision import Precision
@@ -52,7 +52,7 @@ def _init(self, cfg, task, model, criterion, quantizer=None):
         common.tpu = False
     checkpoint, dt = getattr(cfg, "checkpoint", None), getattr(cfg, "distributed_training", None)
     if checkpoint is not None and not checkpoint.no_save and not getattr(dt, "distributed_rank", 0):
-        run_info.set_path(os.path.join(checkpoint.save_dir, run_info.FILENAME))
+        run_context(task).record.set_path(os.path.join(checkpoint.save_dir, RUN_INFO))
     _original(INIT)(self, cfg, task, model, criterion, quantizer)
 
 
@@ -88,8 +88,7 @@ def _build_optimizer(self):
     ]
     tag_param_names(named)
     self._optimizer = MixedPrecisionFairseqOptimizer(
-        self.cfg, [p for _, p in named], Precision.from_cfg(self.cfg)
-    )
+        self.cfg, [p for _, p in named], _run_precision(self))
     if self.cfg.ema.store_ema and isinstance(self.ema, MastersEMA):
         self.ema.follow(self._optimizer)
     self._optimizer.watch_forward(self._model)
@@ -97,41 +96,22 @@ def _build_optimizer(self):
     self._lr_scheduler.step_update(0)
 
 
-class _MastersView:
-    """What the EMA reads of the model: its state dict with each half weight's fp32 master.
+def _run_precision(trainer) -> Precision:
+    """The precision of the trainer's run: its task's run context's, which must be what the
+    trainer's own configuration says.
 
-    Keys are matched to masters through the parameter they hold, so a tied weight (shared
-    embeddings: one parameter under several keys) reads its master under every key. The
-    masters are handed over detached: fairseq's EMA step runs outside ``no_grad``, and its
-    in-place updates from a tensor that requires grad would record an autograd graph in the
-    EMA's tensors, two nodes a tensor every update, that nothing frees.
+    Raises:
+        RuntimeError: where they differ (a task whose config does not reach the run's
+            ``common`` flags).
     """
-
-    def __init__(self, model, masters_by_param) -> None:
-        self._model, self._masters = model, masters_by_param
-
-    def state_dict(self):
-        return {k: self._masters.get(id(v), v).detach()
-                for k, v in self._model.state_dict(keep_vars=True).items()}
-
-
-class MastersEMA(EMA):
-    """fairseq's EMA; with ``--ema-fp32`` in a half run it averages the fp32 masters of the
-    optimizer wrapper it follows, not the model's rounded half weights."""
-
-    def __init__(self, model, config, device=None, skip_keys=None) -> None:
-        super().__init__(model, config, device=device, skip_keys=skip_keys)
-        self.optimizer: Optional[MixedPrecisionFairseqOptimizer] = None
-
-    def follow(self, optimizer: MixedPrecisionFairseqOptimizer) -> None:
-        """Average ``optimizer``'s masters from now on (the trainer calls this as it builds it)."""
-        self.optimizer = optimizer
-
-    def step(self, new_model, updates=None):
-        masters = self.optimizer.masters_by_param() if self.optimizer is not None else {}
-        if self.config.ema_fp32 and masters:
-            new_model = _MastersView(new_model, masters)
-        return super().step(new_model, updates)
+    precision = run_context(trainer.task).precision
+    own = Precision.from_cfg(trainer.cfg)
+    if (precision.name, precision.loss_scale) != (own.name, own.loss_scale):
+        raise RuntimeError(
+            f"fairseq_fp16: the task's configuration says {precision.name} ({precision.loss_scale})"
+            f" but the trainer's says {own.name} ({own.loss_scale}); the task must be built from "
+            "the run's configuration (tasks.setup_task(cfg.task))")
+    return precision
 
 
 def _build_ema(model, cfg, device):
@@ -164,7 +144,7 @@ def _train_step(self, samples, raise_oom=False):
         return _original(TRAIN_STEP)(self, samples, raise_oom)
     except Exception as e:
         opt = _plugin_optimizer(self)
-        stop = opt.stop_error if opt is not None else None
+        stop = opt.overflow.stop_error if opt is not None else None
         if stop is not None:
             if e is not stop:  # fairseq's NanDetector re-run of the batch failed
                 logger.warning("fairseq's NanDetector re-run failed (%s: %s); the reason the "
@@ -172,7 +152,7 @@ def _train_step(self, samples, raise_oom=False):
             raise stop from None
         if not isinstance(e, (AssertionError, RuntimeError)):
             raise
-        if self.cuda or opt is None or not opt.overflow_pending:
+        if self.cuda or opt is None or not opt.overflow.pending:
             raise
     # fairseq's OverflowError handler failed at torch.tensor(0.0).cuda();
     # finish it as it would have on a GPU.

@@ -30,7 +30,6 @@ from ..core.cpu_kernel_cache import (
     resolve_length_multiple,
 )
 from ..features import task_state
-from .. import run_info
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ class TranslationFP16Task(TranslationTask):
                         "the padding is masked)", multiple, cfg.cpu_length_multiple)
         capacity = resolve_kernel_cache(cfg.cpu_kernel_cache, max(given, multiple))
         caps = cap_cpu_kernel_caches(capacity)
-        run_info.record(batch_lengths=lengths, kernel_caches=caps)
+        task_state(self).context.record.record(batch_lengths=lengths, kernel_caches=caps)
         logger.info(
             "CPU kernel caches: %s (--cpu-kernel-cache %s; a variable set in the "
             "environment wins)", ", ".join(f"{k}={v}" for k, v in caps.items()),

@@ -346,6 +346,10 @@ def step_marked(census: OpCensus, optimizer):
 KINDS = ("applied", "overflowed", "armed_applied", "armed_overflowed")
 
 
+def _skipped(optimizer) -> int:
+    """Updates the plugin's optimizer skipped for overflow so far (0 for another optimizer)."""
+    return getattr(getattr(optimizer, "overflow", None), "skipped", 0)
+
 class UpdatesByKind(UpdateWindow):
     """The census of every ``train_step`` call from call ``first`` on, one :class:`OpCensus`
     per update, added up by kind (:data:`KINDS`), until ``count`` applied updates are counted;
@@ -369,13 +373,13 @@ class UpdatesByKind(UpdateWindow):
             optimizer = trainer.optimizer
             watch = getattr(optimizer, "watch", None)
             armed = watch is not None and watch.armed
-            skipped = getattr(optimizer, "num_skipped", 0)
+            skipped = _skipped(optimizer)
             try:
                 with step_marked(census, optimizer), census:
                     return step(*args, **kwargs)
             finally:
                 if census.counting:
-                    overflowed = getattr(optimizer, "num_skipped", 0) > skipped
+                    overflowed = _skipped(optimizer) > skipped
                     kind = ("armed_" if armed else "") + ("overflowed" if overflowed else "applied")
                     self.kinds.setdefault(kind, OpCensus()).merge(census)
                     self.updates[kind] += 1
