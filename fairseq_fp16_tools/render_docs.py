@@ -375,6 +375,26 @@ def optimizer_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                      "fused fp32 AdamW ms", "step / AdamW"], rows)
 
 
+def optimizer_pass_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bench_optimizer.py's passes alone and its compiled one-pass update, against the
+    wrapper's step and fused fp32 AdamW (sizes measured with them)."""
+    rows = []
+    for d, path in zip(data, paths):
+        for r in d["results"]:
+            if "passes_ms" not in r:
+                continue
+            p, one = r["passes_ms"], r.get("one_pass", {})
+            one_ms = one["ms"] + one["norm_half_ms"] if "ms" in one else None
+            rows.append([machine_of(path), f"{r['params']:,}", num(r["step_ms"]),
+                         " + ".join(num(p[k]) for k in ("grad_copy", "norm", "adamw", "copy_back")),
+                         num(r["fp32_fused_adamw_ms"]), ratio(r["wrapper_over_adamw"]), num(one_ms),
+                         ratio(one_ms / r["fp32_fused_adamw_ms"] if one_ms else None),
+                         num(one.get("host_us_a_call"), 1), num(one.get("compile_s"), 0)])
+    return md_table(["machine", "params", "step ms", "passes alone, ms: grad copy + norm + AdamW + "
+                     "copy back", "fused fp32 AdamW ms", "step / AdamW", "compiled one pass ms",
+                     "one pass / AdamW", "one pass, host us a call", "compile s"], rows)
+
+
 def optimizer_fixed_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/bench_optimizer.py's fixed cost: a step over many tiny tensors."""
     rows = [[machine_of(path), d["fixed"]["tensors"], f"{d['fixed']['params']:,}", num(d["fixed"]["step_ms"]),
@@ -625,6 +645,9 @@ TABLES: Dict[str, Table] = {
     "optimizer": Table(tuple(f"{BENCH}/{m}/optimizer.json" for m in ("avx512-epyc", "avx2-epyc", "amx-xeon"))
                        + (f"{BENCH}/h200/ab-16k/optimizer.json",),
                        "python scripts/bench_optimizer.py --params 1e6,1e7,1e8 [--device cuda]", optimizer_rows),
+    "optimizer-passes": Table((f"{BENCH}/avx512-epyc/optimizer.json",),
+                              "python scripts/bench_optimizer.py --params 1e6,1e7,1e8", optimizer_pass_rows,
+                              provenance=True),
     "optimizer-fixed": Table((f"{BENCH}/avx512-epyc/optimizer.json",),
                              "python scripts/bench_optimizer.py [--device cuda]", optimizer_fixed_rows),
     "avx2-train": Table((f"{BENCH}/avx2-epyc/fairseq_train.json",),

@@ -15,8 +15,18 @@ the host's launches and the kernels' latency, not bandwidth, and the kernels it 
 Bytes per parameter: wrapper 44 (grad copy fp16 -> fp32 2+4; norm reads the
 fp32 grads 4; fused AdamW reads param/grad/m/v 16 and writes param/m/v 12;
 copy back 4+2); fused fp32 AdamW 28. The copy moves the wrapper's bytes (half
-read, half written) in fp32. Prints a table and, as its last line, one JSON object (with the
-``provenance`` of the code and software measured: fairseq_fp16_tools/provenance.py).
+read, half written) in fp32.
+
+What bounds the step (``--passes``, on by default): each of the wrapper's four passes timed
+alone on the same tensors (``passes_ms``), and ``one_pass``: the whole update of a tensor (the
+half gradient unscaled, the moments, the fp32 master, its half copy, skipped on overflow) as
+one ``torch.compile``'d loop over 30 bytes a parameter (the norm over the half gradients adds
+2), called once per tensor: its compile time, its time at each size and its host time a call,
+measured on the tiny tensors of the fixed cost. torch has no eager kernel that takes half
+gradients into fp32 weights or writes a half copy.
+
+Prints a table and, as its last line, one JSON object (with the ``provenance`` of the code and
+software measured: fairseq_fp16_tools/provenance.py).
 """
 
 import argparse
@@ -99,7 +109,73 @@ def fixed_cost(device, steps, count=200, size=16):
     return out
 
 
-def bench(n, device, steps):
+def _adamw_one_pass(master, grad, exp_avg, exp_avg_sq, half, hyper):
+    """One tensor's mixed-precision AdamW update in one loop. ``hyper``: lr, beta1, beta2, the
+    decay factor ``1 - lr * weight_decay``, ``lr / bias_correction1``,
+    ``sqrt(bias_correction2)``, eps, the unscale factor and the overflow flag (one tensor, so
+    that a new step recompiles nothing)."""
+    g = grad.float() * hyper[7]
+    m = exp_avg * hyper[1] + g * (1 - hyper[1])
+    v = exp_avg_sq * hyper[2] + g * g * (1 - hyper[2])
+    p = master * hyper[3] - hyper[4] * m / (v.sqrt() / hyper[5] + hyper[6])
+    skip = hyper[8] > 0
+    p, m, v = torch.where(skip, master, p), torch.where(skip, exp_avg, m), torch.where(skip, exp_avg_sq, v)
+    master.copy_(p)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    half.copy_(p)
+
+
+def passes(n, device, steps) -> dict:
+    """The wrapper's passes alone, and the compiled one-pass update, on ``n`` parameters."""
+    half = tensors(n, torch.float16, device)
+    grads = tensors(n, torch.float16, device, fill=1e-3)
+    masters = [torch.nn.Parameter(t.float()) for t in half]
+    adamw = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
+    for m, g in zip(masters, grads):
+        m.grad = g.float()
+    adamw.step()  # the moments exist
+    master_grads = [m.grad for m in masters]
+    scale, found_inf = torch.tensor(1024.0, device=device), torch.zeros((), device=device)
+
+    def scaled_step():
+        adamw.grad_scale, adamw.found_inf = scale, found_inf
+        adamw.step()
+
+    ms = {
+        "grad_copy": timed(lambda: torch._foreach_copy_([torch.empty_like(m) for m in masters], grads),
+                           steps, device),
+        "norm": timed(lambda: torch._foreach_norm(master_grads, 2), steps, device),
+        "adamw": timed(scaled_step, steps, device),
+        "copy_back": timed(lambda: torch._foreach_copy_(half, masters), steps, device),
+    }
+    out = {"passes_ms": {k: round(v, 3) for k, v in ms.items()}}
+    states = [adamw.state[m] for m in masters]
+    hyper = torch.tensor([1e-4, 0.9, 0.999, 1 - 1e-6, 1e-3, 0.03, 1e-8, 1 / 1024, 0.0], device=device)
+    try:
+        t0 = time.perf_counter()
+        kernel = torch.compile(_adamw_one_pass, dynamic=True)
+        kernel(masters[0].detach(), grads[0], states[0]["exp_avg"], states[0]["exp_avg_sq"], half[0], hyper)
+        sync(device)
+        compile_s = time.perf_counter() - t0
+    except Exception as e:  # no C++ compiler, no triton
+        out["one_pass"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        return out
+
+    def one_pass():
+        for m, g, st, h in zip(masters, grads, states, half):
+            kernel(m.detach(), g, st["exp_avg"], st["exp_avg_sq"], h, hyper)
+
+    out["one_pass"] = {"compile_s": round(compile_s, 1), "ms": round(timed(one_pass, steps, device), 3),
+                       "norm_half_ms": round(timed(lambda: torch._foreach_norm(grads, 2), steps, device), 3)}
+    tiny = [(torch.randn(16, device=device), torch.randn(16, device=device).half(), torch.zeros(16, device=device),
+             torch.zeros(16, device=device), torch.zeros(16, device=device).half()) for _ in range(200)]
+    calls = timed(lambda: [kernel(*t, hyper) for t in tiny], steps, device)
+    out["one_pass"]["host_us_a_call"] = round(calls * 1000 / len(tiny), 1)
+    return out
+
+
+def bench(n, device, steps, with_passes=True):
     # mixed precision: fp16 model params with fp16 grads
     half = [torch.nn.Parameter(t) for t in tensors(n, torch.float16, device)]
     grads = tensors(n, torch.float16, device, fill=1e-3)
@@ -145,6 +221,7 @@ def bench(n, device, steps):
         "fp32_fused_adamw_gbps": round(adamw_gbps, 2),
         "fp32_adamw_ratio_to_copy": round(adamw_gbps / copy_gbps, 3),
         "wrapper_over_adamw": round(mixed_ms / adamw_ms, 3),
+        **(passes(n, device, steps) if with_passes else {}),
     }
 
 
@@ -153,9 +230,11 @@ def main(argv=None):
     ap.add_argument("--params", default="1e6,1e7,1e8", help="comma-separated sizes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--no-passes", dest="passes", action="store_false",
+                    help="skip the passes alone and the compiled one-pass update")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
-    rows = [bench(int(float(s)), device, a.steps) for s in a.params.split(",")]
+    rows = [bench(int(float(s)), device, a.steps, a.passes) for s in a.params.split(",")]
     fixed = fixed_cost(device, a.steps)
     print(f"{'params':>11} {'wrapper ms':>11} {'GB/s':>7} {'copy GB/s':>10} {'x copy':>7} "
           f"{'syncs':>6} {'AdamW32 ms':>11} {'x copy':>7} {'wrapper/AdamW':>14}")
@@ -163,6 +242,14 @@ def main(argv=None):
         print(f"{r['params']:>11,} {r['step_ms']:>11.2f} {r['achieved_gbps']:>7.2f} {r['copy_gbps']:>10.2f} "
               f"{r['ratio_to_copy']:>7.2f} {r['host_syncs_per_step']:>6} {r['fp32_fused_adamw_ms']:>11.2f} "
               f"{r['fp32_adamw_ratio_to_copy']:>7.2f} {r['wrapper_over_adamw']:>14.2f}")
+    for r in rows:
+        if "passes_ms" in r:
+            one = r["one_pass"]
+            print(f"{r['params']:>11,} passes alone, ms: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in r["passes_ms"].items()) + "; compiled one pass: " + (
+                one["error"] if "error" in one else
+                f"{one['ms']:.2f} ms + half norm {one['norm_half_ms']:.2f} ms, "
+                f"{one['host_us_a_call']:.0f} us a call, compiled in {one['compile_s']:.0f} s"))
     print(f"fixed cost: {fixed['step_ms']:.3f} ms a step over {fixed['tensors']} tensors of "
           f"{fixed['params'] // fixed['tensors']} parameters, {fixed['launches']:.0f} kernel launches"
           + (f"; {fixed['torch_step_ms']:.3f} ms through torch's AdamW.step" if "torch_step_ms" in fixed else ""))
