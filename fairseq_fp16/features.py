@@ -99,7 +99,7 @@ class TaskState:
                 choice)
             logger.info("CPU %s matrix products: %s", precision.name, half_matmul)
         context.record.record(precision=precision.name, device="cpu" if precision.on_cpu else "cuda",
-                        half_matmul=half_matmul, native_half_products=None)
+                              half_matmul=half_matmul, native_half_products=None)
 
 
 def task_state(task) -> TaskState:

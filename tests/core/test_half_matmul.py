@@ -161,6 +161,15 @@ def test_unknown_choice_refused_naming_the_flag():
         resolve_half_matmul("fast", torch.float16)
 
 
+def _fp32_context():
+    """A run context with the flags' defaults (what the task state of a real task holds)."""
+    from fairseq_fp16.context import RunContext
+    from fairseq_fp16.flags import PrecisionFlags
+    from fairseq_fp16.precision import Precision
+
+    return RunContext(Precision(), PrecisionFlags())
+
+
 def test_task_steps_run_in_the_mode_exactly_during_their_call(monkeypatch):
     # fairseq_fp16.patches.tasks wraps FairseqTask's steps for every task
     from types import SimpleNamespace
@@ -178,7 +187,8 @@ def test_task_steps_run_in_the_mode_exactly_during_their_call(monkeypatch):
         patch = REGISTRY.get(f"fairseq.tasks.fairseq_task:FairseqTask.{name}")
         monkeypatch.setattr(patch, "original", functools.partial(step, _n=name))
     task = SimpleNamespace(cfg=SimpleNamespace(precision_divergence_interval=0))
-    state = SimpleNamespace(fp32_accumulate=True, checked_steps=set(), divergence_done=None)
+    state = SimpleNamespace(fp32_accumulate=True, checked_steps=set(), divergence_done=None,
+                            context=_fp32_context())
     task._fairseq_fp16_state = state
     for _ in range(2):
         task_patches._train_step(task, None, None, None, None, 0)
@@ -232,7 +242,7 @@ def test_first_training_step_logs_the_products_that_escaped(caplog):
 
     from fairseq_fp16.features import native_products_check as check
 
-    task = SimpleNamespace(fp32_accumulate=True, checked_steps=set())
+    task = SimpleNamespace(fp32_accumulate=True, checked_steps=set(), context=_fp32_context())
     x = rand(4, 16, dtype=torch.bfloat16)
     with caplog.at_level("INFO", logger="fairseq_fp16.features"):
         mm = torch.ops.aten.mm  # called directly: below the function mode
