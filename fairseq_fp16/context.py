@@ -51,9 +51,6 @@ class RunRecord:
         self._info.update(entries)
         self._write()
 
-    def recorded(self) -> Dict[str, Any]:
-        return dict(self._info)
-
     def set_path(self, path: Optional[str]) -> None:
         """Where the file goes (None: nowhere); writes what was recorded so far."""
         self.path = path

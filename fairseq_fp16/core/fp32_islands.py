@@ -133,7 +133,7 @@ def _island_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.layer_norm(x.float(), weight.shape, weight, bias, eps).to(x.dtype)
 
 
-def _direct_layer_norm(x, weight, bias, eps):
+def _layer_norm_of_half_input(x, weight, bias, eps):
     return F.layer_norm(x, weight.shape, weight, bias, eps)
 
 
@@ -194,7 +194,7 @@ def direct_half_layer_norm(device: torch.device, dtype: torch.dtype) -> bool:
         if torch.compiler.is_compiling():
             return False
         known = _DIRECT_NORM[key] = _probe_layer_norm(torch.device(device), dtype,
-                                                      _direct_layer_norm)
+                                                      _layer_norm_of_half_input)
     return known
 
 
