@@ -108,6 +108,40 @@ def test_non_finite_watch_names_the_first_module_only_while_armed():
     assert watch.first is None  # hooks removed
 
 
+def peak_tensor_bytes(fn, tmp_path) -> int:
+    """The most CPU tensor memory ``fn`` holds at once beyond what was held before it, from
+    torch.profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    trace = tmp_path / "memory.json"
+    prof.export_chrome_trace(str(trace))
+    events = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
+                     if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    held = peak = 0
+    for e in events:
+        held += e["args"]["Bytes"]
+        peak = max(peak, held)
+    return peak
+
+
+def test_an_armed_forward_holds_at_most_64_mib_of_outputs_the_forward_lets_go(tmp_path):
+    # one child of 40 layers with outputs of 4 MiB; without gradients each output is freed
+    # as the next one is made (the watch reduces what it holds when a child returns)
+    model = torch.nn.Sequential(torch.nn.Sequential(*(torch.nn.ReLU() for _ in range(40))))
+    x = torch.ones(1 << 20)
+    watch = NonFiniteWatch(model)
+    with torch.no_grad():
+        disarmed = peak_tensor_bytes(lambda: model(x), tmp_path)
+        watch.arm()
+        armed = peak_tensor_bytes(lambda: model(x), tmp_path)
+    assert disarmed <= 2 * 4 << 20
+    # the outputs are reduced (and let go) once 64 MiB of them are held, not at the end
+    assert disarmed + (16 << 20) < armed <= disarmed + (64 << 20) + (4 << 20) + 4096
+    assert watch.first is None
+
+
 def fairseq_cfg(**task):
     return OmegaConf.create({
         "optimizer": {"_name": "fp16_adam", "adam_betas": "(0.9, 0.98)", "adam_eps": 1e-8,
