@@ -51,7 +51,7 @@ import contextlib
 import functools
 import os
 import sys
-from typing import Iterable, Optional, Set
+from typing import Dict, Iterable, Optional, Set
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +221,50 @@ def _same_half_cpu(*tensors) -> Optional[torch.dtype]:
     return dtype
 
 
+class CastBuffers:
+    """fp32 buffers that the products of one step (forward and backward) cast their half
+    operands into and write their fp32 results to, before the results are rounded to half.
+
+    A product's fp32 copies live only while it runs; made afresh each time, they come and
+    go between the half tensors that stay (the products' results, kept for the backward
+    pass), and the C allocator keeps the memory they leave in between: on a transformer base
+    fp16 update on the CPU, several hundred MB of resident memory that bf16's native
+    products, which make no copies, do not hold. Here one buffer per operand slot grows to
+    the largest product's size and is reused, so the copies make no holes and touch no fresh
+    pages. Not for code that ``torch.compile`` traces (its products cast as before).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Dict[str, torch.Tensor] = {}
+
+    def _take(self, slot: str, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < numel:
+            self._buffers.pop(slot, None)  # the smaller one goes before the larger one is made
+            buf = self._buffers[slot] = torch.empty(numel, dtype=torch.float32)
+        return buf[:numel]
+
+    def cast(self, slot: str, t: torch.Tensor) -> torch.Tensor:
+        """``t.float()``, in ``slot``'s buffer where ``t`` is contiguous (same strides)."""
+        if not t.is_contiguous():
+            return t.float()
+        return self._take(slot, t.numel()).view(t.shape).copy_(t)
+
+    def result(self, rows: int, cols: int) -> torch.Tensor:
+        """A contiguous fp32 (rows, cols) tensor for a product's result (one slot)."""
+        return self._take("result", rows * cols).view(rows, cols)
+
+
+def _fp32(buffers: Optional[CastBuffers], slot: str, t: torch.Tensor) -> torch.Tensor:
+    return t.float() if buffers is None else buffers.cast(slot, t)
+
+
+def _mm(buffers: Optional[CastBuffers], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if buffers is None:
+        return a.mm(b)
+    return torch.mm(a, b, out=buffers.result(a.shape[0], b.shape[1]))
+
+
 class _Fp32Linear(torch.autograd.Function):
     """``F.linear`` of half CPU tensors (input of 2 or more dims) with fp32 products.
 
@@ -229,57 +273,64 @@ class _Fp32Linear(torch.autograd.Function):
     GPU's): with a bias and a contiguous input, one ``addmm`` (the bias added
     in fp32, one rounding); otherwise ``mm`` (a non-contiguous input copied
     first), rounded to half, then the bias added in half. The weight gradient
-    is ``g^T @ x``, as aten's ``mm_mat2_backward`` computes it for ``W^T``.
+    is ``g^T @ x``, as aten's ``mm_mat2_backward`` computes it for ``W^T``. The fp32 copies
+    and results go to ``buffers`` where given (:class:`CastBuffers`).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, buffers):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.buffers = bias is not None, buffers
         ctx.fused = bias is not None and (x.dim() == 2 or x.is_contiguous())
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        w32 = weight.float().t()
+        x2 = _fp32(buffers, "a", x.reshape(-1, x.shape[-1]))
+        w32 = _fp32(buffers, "b", weight).t()
         shape = (*x.shape[:-1], weight.shape[0])
         if ctx.fused:
-            return torch.addmm(bias.float(), x2, w32).view(shape).to(x.dtype)
-        y = torch.mm(x2, w32).view(shape).to(x.dtype)
+            out = None if buffers is None else buffers.result(x2.shape[0], w32.shape[1])
+            return torch.addmm(bias.float(), x2, w32, out=out).view(shape).to(x.dtype)
+        y = _mm(buffers, x2, w32).view(shape).to(x.dtype)
         return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        buffers = ctx.buffers
         with torch._C.DisableTorchFunction():  # plain tensors: skip the mode's Python call
             g2 = grad.reshape(-1, grad.shape[-1])
-            g32 = g2.float()
+            g32 = _fp32(buffers, "a", g2)
             gx = gw = gb = None
             if ctx.needs_input_grad[0]:
-                gx = g32.mm(weight.float()).to(x.dtype).view(x.shape)
+                gx = _mm(buffers, g32, _fp32(buffers, "b", weight)).to(x.dtype).view(x.shape)
             if ctx.needs_input_grad[1]:
-                gw = g32.t().mm(x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+                x32 = _fp32(buffers, "b", x.reshape(-1, x.shape[-1]))
+                gw = _mm(buffers, g32.t(), x32).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:  # summed in half, as aten sums it
                 gb = g2.sum(0) if ctx.fused else grad.sum(tuple(range(grad.dim() - 1)))
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
 class _Fp32Bmm(torch.autograd.Function):
-    """``torch.bmm`` of half CPU tensors with fp32 products; saves the half tensors only."""
+    """``torch.bmm`` of half CPU tensors with fp32 products; saves the half tensors only. The
+    fp32 copies go to ``buffers`` where given (:class:`CastBuffers`)."""
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, buffers):
         ctx.save_for_backward(a, b)
-        return torch.bmm(a.float(), b.float()).to(a.dtype)
+        ctx.buffers = buffers
+        return torch.bmm(_fp32(buffers, "a", a), _fp32(buffers, "b", b)).to(a.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
+        buffers = ctx.buffers
         with torch._C.DisableTorchFunction():
-            g32 = grad.float()
+            g32 = _fp32(buffers, "a", grad)
             ga = gb = None
             if ctx.needs_input_grad[0]:
-                ga = g32.bmm(b.float().transpose(1, 2)).to(a.dtype)
+                ga = g32.bmm(_fp32(buffers, "b", b).transpose(1, 2)).to(a.dtype)
             if ctx.needs_input_grad[1]:
-                gb = a.float().transpose(1, 2).bmm(g32).to(b.dtype)
-        return ga, gb
+                gb = _fp32(buffers, "b", a).transpose(1, 2).bmm(g32).to(b.dtype)
+        return ga, gb, None
 
 
 class _Fp32ConvTBC(torch.autograd.Function):
@@ -356,19 +407,19 @@ def _under_dispatch_mode(func, args, kwargs, flat=None):
     return tree_unflatten(list(outs), out_spec[0])
 
 
-def _linear(func, args, kwargs):
+def _linear(func, args, kwargs, buffers=None):
     bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
     x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
     if set(bound) <= {"input", "weight", "bias"} and _same_half_cpu(x, w, b):
         if x.dim() >= 2 and w.dim() == 2:
-            return _Fp32Linear.apply(x, w, b)
+            return _Fp32Linear.apply(x, w, b, buffers)
         return _under_dispatch_mode(func, args, kwargs)  # a vector input: aten's own route
     return NotImplemented
 
 
-def _bmm(func, args, kwargs):
+def _bmm(func, args, kwargs, buffers=None):
     if len(args) == 2 and not kwargs and _same_half_cpu(*args):
-        return _Fp32Bmm.apply(*args)
+        return _Fp32Bmm.apply(*args, buffers)
     return NotImplemented
 
 
@@ -411,8 +462,8 @@ def _cell_args(args, kwargs):
 def _cell_gates(x, h, w_ih, w_hh, n):
     """The two gate products of a cell, each accumulated in fp32 and rounded to half (no bias,
     as PyTorch's CUDA cells issue them), chunked into n fp32 gate pre-activations each."""
-    return (_Fp32Linear.apply(x, w_ih, None).float().chunk(n, 1),
-            _Fp32Linear.apply(h, w_hh, None).float().chunk(n, 1))
+    return (_Fp32Linear.apply(x, w_ih, None, None).float().chunk(n, 1),
+            _Fp32Linear.apply(h, w_hh, None, None).float().chunk(n, 1))
 
 
 def _lstm_cell(func, args, kwargs):
@@ -492,6 +543,8 @@ def _routed_functions():
 
 #: functions :class:`Fp32AccumulateFunctions` takes over for half CPU tensors
 ROUTED_FUNCTIONS = _routed_functions()
+#: their handlers that cast into the mode's :class:`CastBuffers`
+_BUFFERED = (_linear, _bmm)
 
 
 class Fp32AccumulateFunctions(TorchFunctionMode):
@@ -502,20 +555,26 @@ class Fp32AccumulateFunctions(TorchFunctionMode):
     :class:`Fp32AccumulateMatmul` forward and backward. ``calls`` counts the
     routed calls made eagerly (for tests and logs): inside code that ``torch.compile`` traces
     (``--compile-layers``) a count would be a guard on its value, and every step's new count
-    a recompile.
+    a recompile. The linear and ``bmm`` products made eagerly cast into the mode's
+    :class:`CastBuffers`, which live as long as the mode (a step, its backward included).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.buffers = CastBuffers()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = ROUTED_FUNCTIONS.get(func)
         if handler is not None:
-            out = handler(func, args, kwargs)
+            compiling = torch.compiler.is_compiling()
+            if handler in _BUFFERED:
+                out = handler(func, args, kwargs, None if compiling else self.buffers)
+            else:
+                out = handler(func, args, kwargs)
             if out is not NotImplemented:
-                if not torch.compiler.is_compiling():
+                if not compiling:
                     self.calls += 1
                 return out
         return func(*args, **kwargs)
