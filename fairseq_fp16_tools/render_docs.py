@@ -243,6 +243,21 @@ def before_after_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     return md_table(["mode", "peak RSS MB, master grads kept", "released", "change", "x fp32, released"], rows)
 
 
+def change_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """bench_fairseq_train.py runs of successive commits (a file each, named for the change it
+    measures; one of them runs stock fp32 too): each mode's figures, memory against stock fp32."""
+    stock = next(d["peak_mb"]["fp32-stock"] for d in data if "fp32-stock" in d["peak_mb"])
+    rows = []
+    for d, path in zip(data, paths):
+        commit = (d.get("provenance") or {}).get("commit") or "?"
+        for mode, ms in d["ms_per_update"].items():
+            mem = d["peak_mb"][mode]
+            rows.append([Path(path).stem.replace("_", " "), commit[:7], mode, num(ms, 0),
+                         thousands(d["words_per_s"][mode]), thousands(mem), ratio(mem / stock)])
+    return md_table(["change", "commit", "mode", "ms/update", "words/s", "peak RSS MB",
+                     "x stock fp32"], rows)
+
+
 def gpu_precision_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """The H200 run per precision, with ratios to fp32 and to TF32."""
     (d,) = data
@@ -671,6 +686,12 @@ TABLES: Dict[str, Table] = {
     "master-grads": Table(tuple(f"{BENCH}/avx512-epyc/master-grads/{n}.json" for n in ("before", "after")),
                           "python scripts/bench_fairseq_train.py data/debian-ende/bin --modes fp32,fp16,bf16 "
                           "--updates 10 (before and after the change)", before_after_rows),
+    "fp16-memory": Table(tuple(f"{BENCH}/avx512-epyc/fp16_memory/{n}.json"
+                               for n in ("before", "watch_64_MiB", "cast_buffers")),
+                         "python scripts/bench_fairseq_train.py --modes fp16 --updates 10 --warmup 5 "
+                         "--model \"--arch transformer --share-all-embeddings --max-tokens 4096\" at "
+                         "each commit (the last with --modes fp32-stock,fp16,bf16)", change_rows,
+                         provenance=True),
     "cpu-goal": Table(tuple(f"{BENCH}/avx512-epyc/cpu_goal/{n}.json" for n in ("short", "long")),
                       "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,fp32,bf16,fp16,"
                       "amp,amp-compiled --updates 10 --warmup 5 --profile-dir DIR --model \"--arch "
