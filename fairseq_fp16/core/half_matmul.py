@@ -227,9 +227,9 @@ class CastBuffers:
 
     A product's fp32 copies live only while it runs; made afresh each time, they come and
     go between the half tensors that stay (the products' results, kept for the backward
-    pass), and the C allocator keeps the memory they leave in between: on a transformer base
-    fp16 update on the CPU, several hundred MB of resident memory that bf16's native
-    products, which make no copies, do not hold. Here one buffer per operand slot grows to
+    pass), and the C allocator keeps the memory they leave in between: a transformer base
+    fp16 run on the CPU peaked near 300 MB higher for it (the fp16-memory table of
+    docs/cpu-half-precision.md). Here one buffer per operand slot grows to
     the largest product's size and is reused, so the copies make no holes and touch no fresh
     pages. Not for code that ``torch.compile`` traces (its products cast as before).
     """
