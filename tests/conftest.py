@@ -180,6 +180,19 @@ def plugin_optimizer(cfg, params, name: str):
     return MixedPrecisionFairseqOptimizer(cfg, params, Precision.from_flags(name == "fp16", name == "bf16", loss_scale))
 
 
+def allocation_bytes(fn, tmp_path) -> list:
+    """The CPU tensor allocations (positive) and frees (negative) that ``fn`` makes, in bytes and
+    in time order, from torch.profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    trace = tmp_path / "memory.json"
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    return [e["args"]["Bytes"] for e in sorted(events, key=lambda e: e["ts"])]
+
+
 def stock_abort_at_exit(proc) -> bool:
     """Stock fairseq's abort after its work is done (a prefetch thread ended inside torch at exit;
     fairseq_fp16/patches/prefetch.py, tests/test_clean_exit.py): the run finished and saved, then the

@@ -18,7 +18,7 @@ from fairseq_fp16.core.diagnostics import (
 from fairseq_fp16.core.host_sync import HostSyncCounter
 from fairseq_fp16.core.master_weights import tag_param_names
 
-from conftest import plugin_optimizer, train
+from conftest import allocation_bytes, plugin_optimizer, train
 
 
 def named_half(**shapes):
@@ -109,19 +109,10 @@ def test_non_finite_watch_names_the_first_module_only_while_armed():
 
 
 def peak_tensor_bytes(fn, tmp_path) -> int:
-    """The most CPU tensor memory ``fn`` holds at once beyond what was held before it, from
-    torch.profiler's allocation events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    trace = tmp_path / "memory.json"
-    prof.export_chrome_trace(str(trace))
-    events = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
-                     if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    """The most CPU tensor memory ``fn`` holds at once beyond what was held before it."""
     held = peak = 0
-    for e in events:
-        held += e["args"]["Bytes"]
+    for change in allocation_bytes(fn, tmp_path):
+        held += change
         peak = max(peak, held)
     return peak
 
