@@ -21,8 +21,8 @@ device), fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq
 --fp16, no plugin; CUDA only), fp16-fairseq-attn (--attention-path fairseq:
 fairseq's own attention, the CPU default), fp16-compiled / bf16-compiled
 (--compile-layers, which compiles the fused loss too), fp16-workers4
-(--num-workers 4: four batch-loading processes instead of fairseq's one), fp16-buckets
-(--length-buckets auto: batches of at most 16 shapes) and fp16-graphs / bf16-graphs (those
+(--num-workers 4: four batch-loading processes instead of fairseq's one), fp16-buckets /
+bf16-buckets (--length-buckets auto: batches of at most 16 shapes) and fp16-graphs / bf16-graphs (those
 batches, with the compiled layers run as CUDA graphs: --compile-layers --cuda-graphs).
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
 CPU. Each mode runs ``fairseq-train --cpu`` (or on CUDA with --cuda) for --warmup
@@ -110,6 +110,7 @@ MODES = {
     "fp16-workers4": ["--fp16", "--num-workers", "4"],
     # batches of a few fixed shapes (--length-buckets), eager and as CUDA graphs of the compiled layers
     "fp16-buckets": ["--fp16", "--length-buckets", "auto"],
+    "bf16-buckets": ["--bf16", "--length-buckets", "auto"],
     "fp16-graphs": ["--fp16", "--compile-layers", "--cuda-graphs", "--length-buckets", "auto"],
     "bf16-graphs": ["--bf16", "--compile-layers", "--cuda-graphs", "--length-buckets", "auto"],
 }
