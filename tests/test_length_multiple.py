@@ -100,13 +100,33 @@ def test_generation_gets_the_batch_without_the_padded_columns(toy_data, monkeypa
     assert trimmed > 0
 
 
+def test_padded_batches_stay_within_max_tokens(toy_data, monkeypatch):
+    flags = ["--bf16", "--half-matmul", "native"]
+    padded, _ = build_task(toy_data, flags, AMX_CPU, monkeypatch)
+    plain, _ = build_task(toy_data, [*flags, "--cpu-length-multiple", "1"], AMX_CPU, monkeypatch)
+    shapes = {}
+    for name, task in (("padded", padded), ("plain", plain)):
+        ds = task.dataset("valid")
+        batches = ds.batch_by_size(ds.ordered_indices(), max_tokens=120)
+        collated = [ds.collater([ds[i] for i in b]) for b in batches]
+        shapes[name] = [(b["target"].size(0), b["net_input"]["src_tokens"].size(1), b["target"].size(1))
+                        for b in collated]
+    # every padded batch holds at most --max-tokens positions, source and target
+    assert all(n * max(s, t) <= 120 for n, s, t in shapes["padded"]), shapes["padded"]
+    # counted by their own lengths, as fairseq counts them, some batches of the same sentences
+    # padded to 8 would have held more
+    assert len(shapes["padded"]) > len(shapes["plain"])
+    assert any(n * -(-max(s, t) // 8) * 8 > 120 for n, s, t in shapes["plain"])
+
+
 def test_padded_lengths_leave_the_losses_as_they_were(toy_data, tmp_path):
-    # no dropout: padding adds masked positions and nothing else, so the logged losses and gradient
-    # norms agree (measured: equal to all three logged decimals over 4 updates)
+    # no dropout, batches of 8 sentences whatever the padding: padding adds masked positions and
+    # nothing else, so the logged losses and gradient norms agree (measured: equal to all three
+    # logged decimals over 4 updates)
     runs = {}
     for multiple in ("8", "1"):
         proc, recs = train(toy_data, tmp_path / multiple, "--bf16", "--half-matmul", "native", "--dropout", "0",
-                           "--cpu-length-multiple", multiple, "--max-update", "4")
+                           "--cpu-length-multiple", multiple, "--max-update", "4", "--batch-size", "8")
         runs[multiple] = [(float(r["loss"]), float(r["gnorm"])) for r in recs]
         said = "CPU batch lengths: padded to a multiple of 8 (--cpu-length-multiple 8; the padding is masked)"
         assert (said in proc.stdout + proc.stderr) == (multiple == "8")

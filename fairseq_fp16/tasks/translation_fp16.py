@@ -8,7 +8,7 @@ The precision features and their flags (loss scaling, ``--fp32-modules``, ``--ha
 
 * ``--cpu-length-multiple`` and ``--cpu-kernel-cache``: CPU half runs on native kernels pad
   each batch's lengths so that batches come in few shapes (through the language-pair
-  dataset's ``pad_to_multiple``), and cap oneDNN's per-shape kernel caches, whose size
+  dataset's ``pad_to_multiple``; ``--max-tokens`` counts the padded lengths), and cap oneDNN's per-shape kernel caches, whose size
   follows from that padding (:mod:`fairseq_fp16.core.cpu_kernel_cache`); generation drops
   the padded source columns again, so decoding is as without padding;
 
@@ -29,11 +29,12 @@ from ..core.cpu_kernel_cache import (
     resolve_kernel_cache,
     resolve_length_multiple,
 )
+from ..core.swap import swap_attribute
 from ..features import task_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TranslationFP16Config", "TranslationFP16Task", "drop_pad_columns"]
+__all__ = ["TranslationFP16Config", "TranslationFP16Task", "count_padded_lengths", "drop_pad_columns"]
 
 
 @dataclass
@@ -139,8 +140,22 @@ class TranslationFP16Task(TranslationTask):
                     "pad_to_multiple (changed fairseq?); pass --cpu-length-multiple 1"
                 )
             dataset.pad_to_multiple = self._length_multiple  # what its collater pads to
+            count_padded_lengths(dataset, self._length_multiple)
 
     def inference_step(self, generator, models, sample, *args, **kwargs):
         if self._length_multiple > 1:  # the beam's length limit counts source columns
             sample = drop_pad_columns(sample, self.source_dictionary.pad())
         return super().inference_step(generator, models, sample, *args, **kwargs)
+
+
+def count_padded_lengths(dataset, multiple: int) -> None:
+    """Make ``dataset`` count each sentence as its length padded to ``multiple`` where fairseq
+    enforces ``--max-tokens``, so that a batch of padded lengths stays within it (fairseq
+    counts the lengths as they are: batches of short sentences padded to 8 held up to 60% more
+    positions than ``--max-tokens``); fairseq's bucket-padded datasets count their padding
+    the same way."""
+    counted, counted_vec = dataset.num_tokens, dataset.num_tokens_vec
+    swap_attribute(dataset, "num_tokens", lambda index: -(-counted(index) // multiple) * multiple,
+                   expects=["enforce ``--max-tokens``"])
+    swap_attribute(dataset, "num_tokens_vec", lambda indices: -(-counted_vec(indices) // multiple) * multiple,
+                   expects=["enforce ``--max-tokens``"])
