@@ -336,12 +336,25 @@ def cpu_goal_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
         wps, mem, ms, profiles = d["words_per_s"], d["peak_mb"], d["ms_per_update"], d.get("profiles", {})
         for mode in ms:
             frac = (profiles.get(mode) or {}).get("products_frac")
-            rows.append([_corpus(path), mode, num(ms[mode], 0), thousands(wps[mode]),
+            rows.append([machine_of(path), _corpus(path), mode, num(ms[mode], 0), thousands(wps[mode]),
                          ratio(wps[mode] / wps["fp32-stock"]), ratio(wps[mode] / wps["fp32"]),
                          thousands(mem[mode]), ratio(mem[mode] / mem["fp32-stock"]),
                          "-" if frac is None else f"{frac:.0%}"])
-    return md_table(["corpus", "mode", "ms/update", "words/s", "x stock fp32", "x plugin fp32",
+    return md_table(["machine", "corpus", "mode", "ms/update", "words/s", "x stock fp32", "x plugin fp32",
                      "peak RSS MB", "x stock fp32", "products' share"], rows)
+
+
+def shape_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """bench_fairseq_train.py's batch-shape modes, one run per corpus (``shapes_NAME.json``):
+    words a batch, words/s and peak memory against stock fairseq's fp32."""
+    rows = []
+    for d, path in zip(data, paths):
+        wps, mem, ms = d["words_per_s"], d["peak_mb"], d["ms_per_update"]
+        rows += [[_corpus(path).removeprefix("shapes_"), mode, num(ms[mode], 0),
+                  thousands(wps[mode] * ms[mode] / 1000), thousands(wps[mode]), ratio(wps[mode] / wps["fp32-stock"]),
+                  thousands(mem[mode]), ratio(mem[mode] / mem["fp32-stock"])] for mode in ms]
+    return md_table(["corpus", "mode", "ms/update", "words/update", "words/s", "x stock fp32", "peak RSS MB",
+                     "x stock fp32"], rows)
 
 
 def cpu_profile_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
@@ -354,17 +367,19 @@ def cpu_profile_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
         for mode, p in (d.get("profiles") or {}).items():
             cpu = p.get("cpu_ms")
             if cpu:
-                rows.append([_corpus(path), mode, num(p["wall_ms"], 0)] + [num(cpu[c], 0) for c in CPU_CLASSES])
-    return md_table(["corpus", "mode", "wall"] + list(CPU_CLASSES), rows)
+                rows.append([machine_of(path), _corpus(path), mode, num(p["wall_ms"], 0)]
+                            + [num(cpu[c], 0) for c in CPU_CLASSES])
+    return md_table(["machine", "corpus", "mode", "wall"] + list(CPU_CLASSES), rows)
 
 
 def product_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
-    """scripts/bench_half_matmul.py --products: TFLOP/s per kernel choice and shape."""
-    (d,) = data
-    shapes = list(next(iter(d["tflops"].values())))
-    rows = [[name] + [num(v[s], 3) for s in shapes] + [ratio(v[shapes[-1]] / d["tflops"]["fp32"][shapes[-1]])]
-            for name, v in d["tflops"].items()]
-    return md_table(["kernel"] + [f"{s}, TFLOP/s" for s in shapes] + [f"x fp32 ({shapes[-1]})"], rows)
+    """scripts/bench_half_matmul.py --products on each machine: TFLOP/s per kernel choice and
+    shape."""
+    shapes = list(next(iter(data[0]["tflops"].values())))
+    rows = [[machine_of(path), name] + [num(v[s], 3) for s in shapes]
+            + [ratio(v[shapes[-1]] / d["tflops"]["fp32"][shapes[-1]])]
+            for d, path in zip(data, paths) for name, v in d["tflops"].items()]
+    return md_table(["machine", "kernel"] + [f"{s}, TFLOP/s" for s in shapes] + [f"x fp32 ({shapes[-1]})"], rows)
 
 
 def dropout_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
@@ -624,6 +639,12 @@ BENCH_DEMO_MODEL = "bench_fairseq_train.py data/debian-ende/bin-max40 --model \"
 RESUME_MATRIX = ("docs/resume_matrix.json",)
 RESUME_COMMAND = 'RESUME_MATRIX_WRITE=1 pytest -m "soak or not soak" tests/test_resume_matrix.py'
 
+#: the machines of the CPU goal's tables (docs/cpu-speed.md), the issue's own first
+CPU_GOAL_MACHINES = ("amx-xeon", "avx512-epyc")
+#: the demo's data, and its model, loss and batch as the benchmark runs them (docs/cpu-speed.md
+#: names the model so; fairseq_fp16_tools/demo.py has it)
+DEMO_DATA, DEMO_BENCH_MODEL = "data/debian-ende/bin-max40", "<the demo's model, --dropout 0>"
+
 TABLES: Dict[str, Table] = {
     "resume-matrix": Table(RESUME_MATRIX, RESUME_COMMAND, resume_matrix_rows),
     "resume-changes": Table(RESUME_MATRIX, RESUME_COMMAND, resume_change_rows),
@@ -670,8 +691,6 @@ TABLES: Dict[str, Table] = {
     "half-matmul": Table(tuple(f"{BENCH}/avx2-epyc/half_matmul_{m}.json" for m in ("fairseq", "fconv", "lstm"))
                          + (f"{BENCH}/amx-xeon/half_matmul_fairseq.json",),
                          "python scripts/bench_half_matmul.py --fairseq|--fconv|--lstm ...", half_matmul_rows),
-    "length-multiple-amx": Table((f"{BENCH}/amx-xeon/length_multiple.json",),
-                                 f"python scripts/{BENCH_DEMO_MODEL} --updates 600 --repeats 2", train_rows),
     "length-multiple-epyc": Table((f"{BENCH}/avx512-epyc/length_multiple.json",),
                                   f"python scripts/{BENCH_DEMO_MODEL} --updates 300 --repeats 2", train_rows),
     "compile-layers-epyc": Table((f"{BENCH}/avx512-epyc/compile_layers.json",),
@@ -692,17 +711,28 @@ TABLES: Dict[str, Table] = {
                          "--model \"--arch transformer --share-all-embeddings --max-tokens 4096\" at "
                          "each commit (the last with --modes fp32-stock,fp16,bf16)", change_rows,
                          provenance=True),
-    "cpu-goal": Table(tuple(f"{BENCH}/avx512-epyc/cpu_goal/{n}.json" for n in ("short", "long")),
+    "cpu-goal": Table(tuple(f"{BENCH}/{m}/cpu_goal/{n}.json" for m in CPU_GOAL_MACHINES for n in ("short", "long")),
                       "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,fp32,bf16,fp16,"
                       "amp,amp-compiled --updates 10 --warmup 5 --profile-dir DIR --model \"--arch "
                       "transformer --share-all-embeddings --max-tokens 4096\"", cpu_goal_rows,
                       provenance=True),
-    "cpu-profile": Table(tuple(f"{BENCH}/avx512-epyc/cpu_goal/{n}.json" for n in ("short", "long")),
+    "cpu-profile": Table(tuple(f"{BENCH}/{m}/cpu_goal/{n}.json" for m in CPU_GOAL_MACHINES for n in ("short", "long")),
                          "the cpu-goal command's --profile-dir (3 updates after the timed ones)",
                          cpu_profile_rows, provenance=True),
-    "cpu-products": Table((f"{BENCH}/avx512-epyc/products.json",),
+    "cpu-products": Table(tuple(f"{BENCH}/{m}/products.json" for m in CPU_GOAL_MACHINES),
                           "python scripts/bench_half_matmul.py --products --steps 10", product_rows,
                           provenance=True),
+    "cpu-demo": Table((f"{BENCH}/amx-xeon/cpu_goal/demo.json",),
+                      f"python scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,fp32,bf16,fp16,amp "
+                      f"--updates 100 --warmup 20 --profile-dir DIR --model \"{DEMO_BENCH_MODEL}\"", cpu_goal_rows,
+                      provenance=True),
+    "cpu-shapes-amx": Table(tuple(f"{BENCH}/amx-xeon/cpu_goal/shapes_{n}.json" for n in ("short", "demo")),
+                            "python scripts/bench_fairseq_train.py --modes fp32-stock,amp,bf16,bf16-unpadded,"
+                            "bf16-buckets --updates 10 --warmup 5 --model \"--arch transformer "
+                            "--share-all-embeddings --max-tokens 4096\"; the demo's: python "
+                            f"scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,fp32,bf16,bf16-unpadded,"
+                            f"bf16-buckets --updates 600 --warmup 20 --model \"{DEMO_BENCH_MODEL}\"", shape_rows,
+                            provenance=True),
     "dropout": Table((f"{BENCH}/avx512-epyc/dropout.json",), "python scripts/bench_dropout.py",
                      dropout_rows, provenance=True),
     "other-tasks": Table(tuple(f"{BENCH}/amx-xeon/other_tasks/{n}.json" for n in ("multilingual", "bart_base")),
