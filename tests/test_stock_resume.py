@@ -50,7 +50,8 @@ def test_stock_fp32_adam_resumes_with_the_plugin_exactly(toy_data, stock, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [[], ["--fp16"], ["--bf16"]], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("flags", [[], ["--fp16"], ["--bf16", "--cpu-length-multiple", "1"]],
+                         ids=["fp32", "fp16", "bf16"])  # the batches of the run it continues on AMX too
 def test_stock_fp32_adam_resumes_into_fp16_adam_in_every_precision(toy_data, stock, tmp_path, flags):
     log, got = resume(toy_data, stock[0], tmp_path, *flags)
     assert "Optimizer does not match" not in log
@@ -61,6 +62,22 @@ def test_stock_fp32_adam_resumes_into_fp16_adam_in_every_precision(toy_data, sto
     tol = 1e-3 if not flags else 0.05
     assert sorted(got) == list(range(STOCK_UPDATES + 1, MORE + 1))
     assert all(abs(got[u] - ref[u]) < tol for u in got), (got, ref)
+
+
+@pytest.mark.slow
+def test_a_resume_mid_epoch_into_batches_of_padded_lengths_is_refused_naming_the_flag(toy_data, stock, tmp_path):
+    # --max-tokens counts padded lengths: the stock run's epoch, cut from the lengths as they are,
+    # would be cut into other batches, and fairseq skips the first 10 by position
+    padded = ["--bf16", "--half-matmul", "native", "--cpu-length-multiple", "8"]
+    shutil.copytree(stock[0], tmp_path, dirs_exist_ok=True)
+    proc, recs = train(toy_data, tmp_path, "--max-update", str(MORE), *padded, check=False)
+    assert proc.returncode != 0 and recs == []
+    assert ("checkpoint_last.pt stopped 10 batches into an epoch whose batches counted the lengths as "
+            "they are toward --max-tokens; this run counts lengths padded to a multiple of 8 and would "
+            "train on other sentences than the run it continues. Pass --cpu-length-multiple 1 "
+            "(half-precision runs) to resume it exactly, or --reset-dataloader") in proc.stderr
+    proc, recs = train(toy_data, tmp_path, "--max-update", str(MORE), *padded, "--reset-dataloader")
+    assert [int(r["num_updates"]) for r in recs] == list(range(STOCK_UPDATES + 1, MORE + 1))
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from fairseq.file_io import PathManager
 from .. import safe_load
 from ..ema import rebuild_ema_model
 from ..optim.stock_state import prepare_for_resume
+from ..tasks.translation_fp16 import check_resumed_batches
 from .registry import Patch
 from .registry import original as _original
 from .trainer import plugin_optimizer_applies
@@ -184,6 +185,8 @@ def _load_checkpoint(self, filename, *args, **kwargs):
         extra_state = _load_checkpoint_or_an_intact_one(self, filename, *args, **kwargs)
     finally:
         RESUMING.reset(token)
+    if extra_state is not None:
+        check_resumed_batches(self.task, extra_state, filename, self.cfg.checkpoint.reset_dataloader)
     rebuild_ema_model(self, extra_state)
     return extra_state
 

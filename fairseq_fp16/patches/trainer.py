@@ -26,6 +26,7 @@ from ..ema import MastersEMA
 from ..optim.mixed_precision import MixedPrecisionFairseqOptimizer
 from ..optim.stock_state import history_names
 from ..precision import Precision
+from ..tasks.translation_fp16 import BATCH_LENGTHS_KEY
 from .registry import Patch
 from .registry import original as _original
 
@@ -130,6 +131,7 @@ def _state_dict(self):
     optimizer = _plugin_optimizer(self)
     state["optimizer_history"] = history_names(
         state["optimizer_history"], None if optimizer is None else optimizer.history_name)
+    state["extra_state"][BATCH_LENGTHS_KEY] = getattr(self.task, "length_multiple", 1)
     return state
 
 

@@ -8,7 +8,8 @@ The precision features and their flags (loss scaling, ``--fp32-modules``, ``--ha
 
 * ``--cpu-length-multiple`` and ``--cpu-kernel-cache``: CPU half runs on native kernels pad
   each batch's lengths so that batches come in few shapes (through the language-pair
-  dataset's ``pad_to_multiple``; ``--max-tokens`` counts the padded lengths), and cap oneDNN's per-shape kernel caches, whose size
+  dataset's ``pad_to_multiple``; ``--max-tokens`` counts the padded lengths, and a resume
+  inside an epoch cut with the other count is refused), and cap oneDNN's per-shape kernel caches, whose size
   follows from that padding (:mod:`fairseq_fp16.core.cpu_kernel_cache`); generation drops
   the padded source columns again, so decoding is as without padding;
 
@@ -34,7 +35,11 @@ from ..features import task_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TranslationFP16Config", "TranslationFP16Task", "count_padded_lengths", "drop_pad_columns"]
+#: the checkpoint's extra_state key of the multiple its training batches counted lengths in
+BATCH_LENGTHS_KEY = "fairseq_fp16_batch_length_multiple"
+
+__all__ = ["BATCH_LENGTHS_KEY", "TranslationFP16Config", "TranslationFP16Task", "check_resumed_batches",
+           "count_padded_lengths", "drop_pad_columns"]
 
 
 @dataclass
@@ -95,8 +100,9 @@ class TranslationFP16Task(TranslationTask):
     """Translation with CPU batch-length padding."""
 
     cfg: TranslationFP16Config
-    #: the multiple --cpu-length-multiple padded batch lengths to (1: not padded by it)
-    _length_multiple = 1
+    #: the multiple --cpu-length-multiple padded batch lengths to, which --max-tokens counts
+    #: (1: not padded by it); checkpoints keep it (:func:`check_resumed_batches`)
+    length_multiple = 1
 
     def __init__(self, cfg: TranslationFP16Config, src_dict, tgt_dict):
         validate_length_flags(cfg)
@@ -117,7 +123,7 @@ class TranslationFP16Task(TranslationTask):
             logger.info("CPU batch lengths: padded to a multiple of %d (--required-seq-len-multiple; "
                         "--cpu-length-multiple %s not applied)", given, cfg.cpu_length_multiple)
         elif multiple > 1:  # set on each dataset (load_dataset), not in the cfg checkpoints save
-            self._length_multiple = multiple
+            self.length_multiple = multiple
             lengths = f"padded to a multiple of {multiple} (--cpu-length-multiple {cfg.cpu_length_multiple})"
             logger.info("CPU batch lengths: padded to a multiple of %d (--cpu-length-multiple %s; "
                         "the padding is masked)", multiple, cfg.cpu_length_multiple)
@@ -132,18 +138,18 @@ class TranslationFP16Task(TranslationTask):
 
     def load_dataset(self, split, epoch=1, combine=False, **kwargs):
         super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
-        if self._length_multiple > 1:
+        if self.length_multiple > 1:
             dataset = self.datasets[split]
             if not hasattr(dataset, "pad_to_multiple"):
                 raise RuntimeError(
                     f"--cpu-length-multiple: fairseq's {type(dataset).__name__} has no "
                     "pad_to_multiple (changed fairseq?); pass --cpu-length-multiple 1"
                 )
-            dataset.pad_to_multiple = self._length_multiple  # what its collater pads to
-            count_padded_lengths(dataset, self._length_multiple)
+            dataset.pad_to_multiple = self.length_multiple  # what its collater pads to
+            count_padded_lengths(dataset, self.length_multiple)
 
     def inference_step(self, generator, models, sample, *args, **kwargs):
-        if self._length_multiple > 1:  # the beam's length limit counts source columns
+        if self.length_multiple > 1:  # the beam's length limit counts source columns
             sample = drop_pad_columns(sample, self.source_dictionary.pad())
         return super().inference_step(generator, models, sample, *args, **kwargs)
 
@@ -159,3 +165,26 @@ def count_padded_lengths(dataset, multiple: int) -> None:
                    expects=["enforce ``--max-tokens``"])
     swap_attribute(dataset, "num_tokens_vec", lambda indices: -(-counted_vec(indices) // multiple) * multiple,
                    expects=["enforce ``--max-tokens``"])
+
+
+def check_resumed_batches(task, extra_state: dict, filename: str, reset_dataloader: bool) -> None:
+    """Refuse to resume ``filename`` inside an epoch whose batches it cut with other counted
+    lengths than ``task`` cuts them (:func:`count_padded_lengths`): fairseq would skip the
+    batches done by position in another list of batches, and train on other sentences than
+    the uninterrupted run. A checkpoint without the key counted lengths as they are.
+
+    Raises:
+        ValueError: naming the flags that resume it.
+    """
+    saved = int(extra_state.get(BATCH_LENGTHS_KEY, 1))
+    current = int(getattr(task, "length_multiple", 1))
+    done = (extra_state.get("train_iterator") or {}).get("iterations_in_epoch", 0)
+    if saved != current and done and not reset_dataloader:
+        def counted(n):
+            return "the lengths as they are" if n == 1 else f"lengths padded to a multiple of {n}"
+
+        raise ValueError(
+            f"fairseq_fp16: {filename} stopped {done} batches into an epoch whose batches counted "
+            f"{counted(saved)} toward --max-tokens; this run counts {counted(current)} and would "
+            f"train on other sentences than the run it continues. Pass --cpu-length-multiple {saved} "
+            "(half-precision runs) to resume it exactly, or --reset-dataloader to start the epoch afresh")
