@@ -9,9 +9,9 @@ The precision features and their flags (loss scaling, ``--fp32-modules``, ``--ha
 * ``--cpu-length-multiple`` and ``--cpu-kernel-cache``: CPU half runs on native kernels pad
   each batch's lengths so that batches come in few shapes (through the language-pair
   dataset's ``pad_to_multiple``; ``--max-tokens`` counts the padded lengths, and a resume
-  inside an epoch cut with the other count is refused), and cap oneDNN's per-shape kernel caches, whose size
-  follows from that padding (:mod:`fairseq_fp16.core.cpu_kernel_cache`); generation drops
-  the padded source columns again, so decoding is as without padding;
+  inside an epoch cut with the other count is refused), and cap oneDNN's per-shape kernel
+  caches, whose size follows from that padding (:mod:`fairseq_fp16.core.cpu_kernel_cache`);
+  generation drops the padded source columns again, so decoding is as without padding;
 
 A resumed run trains on the batches of the uninterrupted one under any task
 (:mod:`fairseq_fp16.features`).
