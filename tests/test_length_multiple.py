@@ -119,6 +119,23 @@ def test_padded_batches_stay_within_max_tokens(toy_data, monkeypatch):
     assert any(n * -(-max(s, t) // 8) * 8 > 120 for n, s, t in shapes["plain"])
 
 
+def test_a_padded_run_resumed_inside_its_epoch_continues_as_uninterrupted(toy_data, tmp_path):
+    from fairseq import checkpoint_utils
+
+    from fairseq_fp16.tasks.translation_fp16 import BATCH_LENGTHS_KEY
+
+    padded = ["--bf16", "--half-matmul", "native", "--cpu-length-multiple", "8", "--dropout", "0"]
+    _, full = train(toy_data, tmp_path / "full", *padded, "--max-update", "8", "--no-save")
+    train(toy_data, tmp_path / "cut", *padded, "--max-update", "4")
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "cut" / "checkpoint_last.pt"))
+    assert state["extra_state"][BATCH_LENGTHS_KEY] == 8
+    assert state["extra_state"]["train_iterator"]["iterations_in_epoch"] == 4  # inside the epoch
+    _, rest = train(toy_data, tmp_path / "cut", *padded, "--max-update", "8")
+    assert [r["num_updates"] for r in rest] == [5, 6, 7, 8]
+    # the batches of the uninterrupted run (other batches: losses 0.1-0.5 bits apart)
+    assert [r["loss"] for r in rest] == pytest.approx([r["loss"] for r in full[4:]], abs=2e-3)
+
+
 def test_padded_lengths_leave_the_losses_as_they_were(toy_data, tmp_path):
     # no dropout, batches of 8 sentences whatever the padding: padding adds masked positions and
     # nothing else, so the logged losses and gradient norms agree (measured: equal to all three
