@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 __all__ = ["AUTO_MAX_SHAPES", "BatchShape", "LengthBuckets",
-           "assign_buckets", "batch_padding", "fit_bounds", "fit_length_buckets", "parse_length_buckets"]
+           "assign_buckets", "batch_padding", "fit_bounds", "fit_length_buckets", "parse_length_buckets",
+           "round_up"]
 
 #: ``--length-buckets auto``: at most this many batch shapes (a CUDA graph set each)
 AUTO_MAX_SHAPES = 16
@@ -114,7 +115,8 @@ def _distinct_pairs(src, tgt):
     return np.stack([keys >> 32, keys & 0xFFFFFFFF], 1), inverse.reshape(-1), counts
 
 
-def _round_up(lengths: np.ndarray, multiple: int) -> np.ndarray:
+def round_up(lengths, multiple: int):
+    """``lengths`` (an int or an array) rounded up to a multiple of ``multiple``."""
     return lengths if multiple <= 1 else -(-lengths // multiple) * multiple
 
 
@@ -383,7 +385,7 @@ def fit_length_buckets(src, tgt, choice, max_tokens: Optional[int], max_sentence
         raise ValueError("--length-buckets off: there are no buckets to fit")
     pairs, _, weights = _distinct_pairs(src, tgt)  # the sentences, as distinct length pairs
     s, t = pairs[:, 0], pairs[:, 1]
-    fitted = fit_bounds(_round_up(s, length_multiple), _round_up(t, length_multiple),
+    fitted = fit_bounds(round_up(s, length_multiple), round_up(t, length_multiple),
                         AUTO_MAX_SHAPES if choice == "auto" else choice, weights)
 
     def build(bounds):

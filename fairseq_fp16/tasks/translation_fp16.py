@@ -25,6 +25,7 @@ import torch
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from ..core.buckets import round_up
 from ..core.cpu_kernel_cache import (
     cap_cpu_kernel_caches,
     resolve_kernel_cache,
@@ -161,9 +162,9 @@ def count_padded_lengths(dataset, multiple: int) -> None:
     positions than ``--max-tokens``); fairseq's bucket-padded datasets count their padding
     the same way."""
     counted, counted_vec = dataset.num_tokens, dataset.num_tokens_vec
-    swap_attribute(dataset, "num_tokens", lambda index: -(-counted(index) // multiple) * multiple,
+    swap_attribute(dataset, "num_tokens", lambda index: round_up(counted(index), multiple),
                    expects=["enforce ``--max-tokens``"])
-    swap_attribute(dataset, "num_tokens_vec", lambda indices: -(-counted_vec(indices) // multiple) * multiple,
+    swap_attribute(dataset, "num_tokens_vec", lambda indices: round_up(counted_vec(indices), multiple),
                    expects=["enforce ``--max-tokens``"])
 
 
