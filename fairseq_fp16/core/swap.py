@@ -2,8 +2,9 @@
 
 Besides the changes to fairseq's classes and functions (the registry of
 :mod:`fairseq_fp16.patches`), the plugin changes a few single objects: a training set's
-batching (``--length-buckets``), a dataset's example order while fairseq makes an epoch's
-batches, a layer's forward (``--compile-layers``). :func:`swap_attribute` makes each such change
+batching (``--length-buckets``), a dataset's token count (``--cpu-length-multiple``: the
+padded lengths), a dataset's example order while fairseq makes an epoch's batches, a layer's
+forward (``--compile-layers``). :func:`swap_attribute` makes each such change
 as the registry makes its own: the source of what is replaced must hold the statements the
 replacement relies on (:func:`check_source`, which the registry's patches use too), and the
 change comes with its undo.
