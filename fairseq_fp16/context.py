@@ -39,7 +39,8 @@ class RunRecord:
     fp32 or CUDA); ``native_half_products``: half products of the first training step that fp32
     accumulation left on native kernels (None: not checked); ``batch_lengths``: e.g. ``"padded
     to a multiple of 8 (--cpu-length-multiple auto)"`` (None: as they are); ``kernel_caches``;
-    ``fused_loss``; ``attention``; ``compile_layers``; ``cpu_dropout``.
+    ``fused_loss``; ``attention``; ``compile_layers``; ``cpu_dropout``; ``compile_step``: whether
+    the optimizer's update runs compiled from the half gradients (``--compile-step``, half runs).
     """
 
     def __init__(self) -> None:

@@ -398,31 +398,30 @@ def optimizer_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     rows = []
     for d, path in zip(data, paths):
         for r in d["results"]:
-            rows.append([machine_of(path), f"{r['params']:,}", num(r["step_ms"]), num(r["achieved_gbps"], 1),
-                         num(r["copy_gbps"], 1), num(r["ratio_to_copy"]), r["host_syncs_per_step"],
-                         num(r["fp32_fused_adamw_ms"]), ratio(r["wrapper_over_adamw"])])
-    return md_table(["machine", "params", "step ms", "GB/s", "copy GB/s", "x copy", "host syncs",
-                     "fused fp32 AdamW ms", "step / AdamW"], rows)
+            rows.append([machine_of(path), d.get("dtype", "fp16"), f"{r['params']:,}", num(r["step_ms"]),
+                         num(r["achieved_gbps"], 1), num(r["copy_gbps"], 1), num(r["ratio_to_copy"]),
+                         r["host_syncs_per_step"], num(r["fp32_fused_adamw_ms"]), ratio(r["wrapper_over_adamw"]),
+                         num(r.get("compiled_step_ms")), ratio(r.get("compiled_over_adamw"))])
+    return md_table(["machine", "dtype", "params", "step ms", "GB/s", "copy GB/s", "x copy", "host syncs",
+                     "fused fp32 AdamW ms", "step / AdamW", "--compile-step ms", "compiled / AdamW"], rows)
 
 
 def optimizer_pass_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
-    """scripts/bench_optimizer.py's passes alone and its compiled one-pass update, against the
-    wrapper's step and fused fp32 AdamW (sizes measured with them)."""
+    """scripts/bench_optimizer.py's passes alone, eager and compiled (--compile-step), against
+    fused fp32 AdamW (sizes measured with them)."""
     rows = []
     for d, path in zip(data, paths):
         for r in d["results"]:
-            if "passes_ms" not in r:
+            if "passes_ms" not in r or "compiled_passes_ms" not in r:
                 continue
-            p, one = r["passes_ms"], r.get("one_pass", {})
-            one_ms = one["ms"] + one["norm_half_ms"] if "ms" in one else None
-            rows.append([machine_of(path), f"{r['params']:,}", num(r["step_ms"]),
+            p, c = r["passes_ms"], r["compiled_passes_ms"]
+            rows.append([machine_of(path), f"{r['params']:,}", num(r["fp32_fused_adamw_ms"]), num(r["step_ms"]),
                          " + ".join(num(p[k]) for k in ("grad_copy", "norm", "adamw", "copy_back")),
-                         num(r["fp32_fused_adamw_ms"]), ratio(r["wrapper_over_adamw"]), num(one_ms),
-                         ratio(one_ms / r["fp32_fused_adamw_ms"] if one_ms else None),
-                         num(one.get("host_us_a_call"), 1), num(one.get("compile_s"), 0)])
-    return md_table(["machine", "params", "step ms", "passes alone, ms: grad copy + norm + AdamW + "
-                     "copy back", "fused fp32 AdamW ms", "step / AdamW", "compiled one pass ms",
-                     "one pass / AdamW", "one pass, host us a call", "compile s"], rows)
+                         num(r["compiled_step_ms"]), f"{num(c['norm'])} + {num(c['update'])}",
+                         ratio(c["update"] / r["fp32_fused_adamw_ms"]), num(r["compile_s"], 0)])
+    return md_table(["machine", "params", "fused fp32 AdamW ms", "eager step ms", "its passes alone, ms: "
+                     "grad copy + norm + AdamW + copy back", "--compile-step ms", "its parts alone, ms: "
+                     "norm + update", "update / AdamW", "compile s"], rows)
 
 
 def optimizer_fixed_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
@@ -680,10 +679,11 @@ TABLES: Dict[str, Table] = {
                        provenance=True),
     "optimizer": Table(tuple(f"{BENCH}/{m}/optimizer.json" for m in ("avx512-epyc", "avx2-epyc", "amx-xeon"))
                        + (f"{BENCH}/h200/ab-16k/optimizer.json",),
-                       "python scripts/bench_optimizer.py --params 1e6,1e7,1e8 [--device cuda]", optimizer_rows),
-    "optimizer-passes": Table((f"{BENCH}/avx512-epyc/optimizer.json",),
-                              "python scripts/bench_optimizer.py --params 1e6,1e7,1e8", optimizer_pass_rows,
-                              provenance=True),
+                       "python scripts/bench_optimizer.py --params 1e6,1e7,1e8 [--device cuda] [--dtype bf16]",
+                       optimizer_rows),
+    "optimizer-passes": Table((f"{BENCH}/amx-xeon/optimizer.json",),
+                              "python scripts/bench_optimizer.py --params 1e6,1e7,1e8 --dtype bf16",
+                              optimizer_pass_rows, provenance=True),
     "optimizer-fixed": Table((f"{BENCH}/avx512-epyc/optimizer.json",),
                              "python scripts/bench_optimizer.py [--device cuda]", optimizer_fixed_rows),
     "avx2-train": Table((f"{BENCH}/avx2-epyc/fairseq_train.json",),

@@ -50,6 +50,26 @@ def test_mixed_precision_tracks_fp32(runs):
             assert abs(a - b) < 0.1, (name, a, b)
 
 
+def test_compile_step_trains_as_the_eager_step(runs, toy_data, tmp_path):
+    """--compile-step: the update compiled from the half gradients; the losses are the eager
+    step's within the log's rounding, and fp32 (one fused loop already) runs as before."""
+    _, recs = train(toy_data, tmp_path / "bf16", "--bf16", "--half-matmul", "fp32-accumulate",
+                    "--compile-step", "--max-update", "40")
+    assert json.loads((tmp_path / "bf16" / "run_info.json").read_text())["compile_step"] is True
+    for a, b in zip(losses(runs["bf16"]), losses(recs), strict=True):
+        assert abs(a - b) <= 0.002, (a, b)
+    _, recs = train(toy_data, tmp_path / "fp32", "--compile-step", "--max-update", "40")
+    assert json.loads((tmp_path / "fp32" / "run_info.json").read_text())["compile_step"] is False
+    assert losses(recs) == losses(runs["fp32"])
+
+
+def test_compile_step_with_another_optimizer_stops_naming_the_flag(toy_data, tmp_path):
+    proc, _ = train(toy_data, tmp_path, "--bf16", "--compile-step", "--optimizer", "adam",
+                    "--max-update", "1", check=False)
+    assert proc.returncode != 0
+    assert "--compile-step compiles torch's fused AdamW update: use --optimizer fp16_adam" in proc.stderr
+
+
 def test_scale_and_skips_are_logged(runs):
     assert all(r["loss_scale"] == 128 and r["skipped"] == 0 for r in runs["fp16"])
     assert all(r["loss_scale"] == 1 for r in runs["bf16"])

@@ -20,7 +20,7 @@ def test_run_info_says_what_the_run_used(toy_data, tmp_path, flags):
     assert info["precision"] == name and info["device"] == "cpu"
     assert info["fused_loss"] is (name == "fp16")
     assert info["attention"] == ("torch" if name == "fp32" else "fairseq")
-    assert info["compile_layers"] is False
+    assert info["compile_layers"] is False and info["compile_step"] is False
     if name == "fp32":
         assert info["half_matmul"] is None and info["native_half_products"] is None
         return

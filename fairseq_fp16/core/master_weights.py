@@ -18,6 +18,12 @@
 
 Parameters that are already fp32 in the model (fp32 islands such as LayerNorm)
 are their own masters: they are updated in place and not copied.
+
+With ``compile_step`` (``--compile-step``) steps 2 and 3 read the half gradients directly: the
+norm sums their squares and one compiled loop a parameter updates the master, the moments and
+the half weight (:class:`~fairseq_fp16.core.compiled_adam.CompiledMixedAdamW`); the fp32 master
+gradients are made only on a step that the loop cannot take (the first, whose optimizer state
+torch creates).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .adam import FusedAdamWLists, load_state_keeping_backend
+from .compiled_adam import CompiledMixedAdamW
 from .loss_scaler import LossScaler
 from .param_names import CARRIED_ATTRS, NAME_ATTR, param_name, tag_param_names
 
@@ -42,6 +49,13 @@ class MixedPrecisionOptimizer:
         build_optimizer: called with the master parameters, returns the
             torch optimizer that updates them.
         scaler: the :class:`LossScaler`; its device must be the params'.
+        compile_step: step from the half gradients in one compiled loop a parameter
+            (:class:`~fairseq_fp16.core.compiled_adam.CompiledMixedAdamW`).
+
+    Raises:
+        ValueError: for a parameter that is neither half nor fp32; with ``compile_step``, for
+            an inner optimizer other than torch's fused AdamW, parameters on several devices or
+            marked as experts, or a machine where torch.compile cannot build the step.
     """
 
     def __init__(
@@ -49,6 +63,7 @@ class MixedPrecisionOptimizer:
         params: Sequence[torch.nn.Parameter],
         build_optimizer: Callable[[List[torch.Tensor]], torch.optim.Optimizer],
         scaler: LossScaler,
+        compile_step: bool = False,
     ) -> None:
         self.model_params: List[torch.nn.Parameter] = list(params)
         if not self.model_params:
@@ -80,6 +95,13 @@ class MixedPrecisionOptimizer:
         self.fused_amp = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
         # torch's fused AdamW stepped on lists built once (None: the optimizer's own step)
         self._fused_lists = FusedAdamWLists(self.optimizer) if FusedAdamWLists.supports(self.optimizer) else None
+        self._compiled: Optional[CompiledMixedAdamW] = None
+        if compile_step:
+            if self._experts or not self._one_device:
+                raise ValueError("--compile-step steps parameters of one device, none of them "
+                                 "experts (expert parallelism)")
+            self._compiled = CompiledMixedAdamW(self.optimizer, {id(m): p for p, m in self._half_pairs})
+        self._one_pass = False  # this step's norm and update run compiled from the half grads
         device = self.model_params[0].device
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
@@ -87,6 +109,11 @@ class MixedPrecisionOptimizer:
         self._inv_scale: Optional[torch.Tensor] = None  # unscale * clip factor
         self._grads_synced = False  # master grads hold this step's gradients
         self._known_finite = False  # the caller saw this step's norm finite on the host
+
+    @property
+    def compiles_step(self) -> bool:
+        """Whether steps after the first run compiled from the half gradients (``compile_step``)."""
+        return self._compiled is not None
 
     def masters_by_param(self) -> Dict[int, torch.Tensor]:
         """``id(model parameter) -> its fp32 master``, for the half parameters."""
@@ -123,7 +150,9 @@ class MixedPrecisionOptimizer:
         ``max_norm > 0`` the clip coefficient is folded into the factor the
         step applies, not applied to the gradients here.
         """
-        self._sync_master_grads()
+        self._one_pass = self._compiled is not None and self._compiled.ready()
+        if not self._one_pass:
+            self._sync_master_grads()
         device = self._found_inf.device
         # 1/scale: an IEEE division, exact for the power-of-two scales and correctly rounded
         # for any other (a --threshold-loss-scale floor, a tolerance)
@@ -133,7 +162,9 @@ class MixedPrecisionOptimizer:
             inv = inv * (mult.to(device).float() if torch.is_tensor(mult) else float(mult))
         normed = [m.grad for m in self._normed if m.grad is not None]
         experts = [m.grad for m in self._experts if m.grad is not None]
-        if normed:
+        if self._one_pass:
+            total = self._compiled.norm()
+        elif normed:
             norms = torch._foreach_norm(normed, 2)
             if not self._one_device:
                 norms = [n.to(device) for n in norms]
@@ -185,6 +216,11 @@ class MixedPrecisionOptimizer:
         """
         if self._inv_scale is None:
             self.clip_grad_norm(0.0)
+        if self._one_pass:  # the norm saw the half gradients, and so does the update
+            self._compiled.step(self._inv_scale, self._found_inf)
+            self.scaler.update(self._found_inf)
+            self._reset_step_state()
+            return
         master_grads = self._sync_master_grads()
         if self.fused_amp:
             # The kernel divides by grad_scale and skips the update on found_inf.
@@ -226,6 +262,7 @@ class MixedPrecisionOptimizer:
         self._inv_scale = None
         self._grads_synced = False
         self._known_finite = False
+        self._one_pass = False
 
     def _copy_masters_to_model(self) -> None:
         if self._half_pairs:

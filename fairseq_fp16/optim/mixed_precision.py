@@ -126,13 +126,16 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         params: the model's trainable parameters, in the model's dtype.
         precision: the run's :class:`~fairseq_fp16.precision.Precision` (the trainer patch
             passes ``Precision.from_cfg(cfg)``).
+        compile_step: ``--compile-step``: a half run's update in one compiled loop a parameter
+            (:mod:`fairseq_fp16.core.compiled_adam`); nothing changes in fp32, where torch's
+            fused AdamW is one loop already.
 
     Raises:
         TypeError: when ``precision`` is not a Precision (a name would be parsed a second time,
             apart from the run's flags).
     """
 
-    def __init__(self, cfg, params, precision: Precision) -> None:
+    def __init__(self, cfg, params, precision: Precision, compile_step: bool = False) -> None:
         super().__init__(cfg.optimizer)
         if not isinstance(precision, Precision):
             raise TypeError(f"precision must be a fairseq_fp16.precision.Precision, got {precision!r}")
@@ -144,8 +147,11 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         self.overflow = OverflowRecord()
         self._params = params
         if precision.is_half:
-            self.strategy = _MasterWeights(self, cfg, params, precision)
+            self.strategy = _MasterWeights(self, cfg, params, precision, compile_step)
         else:
+            if compile_step:
+                logger.info("fairseq_fp16: --compile-step changes nothing in fp32 (torch's fused "
+                            "AdamW updates an fp32 parameter in one loop)")
             self.strategy = _Passthrough(self, cfg, params)
         self.inner = self.strategy.inner
         self._optimizer = self.inner.optimizer
@@ -179,6 +185,13 @@ class MixedPrecisionFairseqOptimizer(FairseqOptimizer):
         exposes its own for wrappers that average them (SlowMo)."""
         core = self.strategy.core
         return None if core is None else core.master_params
+
+    @property
+    def compiles_step(self) -> bool:
+        """Whether the update runs compiled from the half gradients (``--compile-step`` in a half
+        run)."""
+        core = self.strategy.core
+        return core is not None and core.compiles_step
 
     def masters_by_param(self) -> Dict[int, torch.Tensor]:
         """``id(model parameter) -> its fp32 master`` for the half parameters (none in fp32)."""
@@ -299,7 +312,8 @@ class _Passthrough:
 class _MasterWeights:
     """fp16/bf16: fp32 master weights, the loss scaler and fairseq's overflow protocol."""
 
-    def __init__(self, owner: MixedPrecisionFairseqOptimizer, cfg, params, precision: Precision) -> None:
+    def __init__(self, owner: MixedPrecisionFairseqOptimizer, cfg, params, precision: Precision,
+                 compile_step: bool) -> None:
         self.owner = owner
         self.precision = precision
         self.max_consecutive_overflows = int(
@@ -314,7 +328,7 @@ class _MasterWeights:
             built["inner"] = optim.build_optimizer(cfg.optimizer, master_params)
             return built["inner"].optimizer
 
-        self.core = MixedPrecisionOptimizer(params, build, self.loss_scaler)
+        self.core = MixedPrecisionOptimizer(params, build, self.loss_scaler, compile_step=compile_step)
         self.inner = built["inner"]
         owner.scaler = _ScaleView(self.loss_scaler)
         self.diagnostics = Diagnostics.from_cfg(cfg, precision.dtype)
@@ -322,7 +336,8 @@ class _MasterWeights:
             "fairseq_fp16: %s model, fp32 master weights, %s, %s step",
             precision.name,
             self.loss_scaler,
-            "fused (no host sync)" if self.core.fused_amp else "unfused (1 host sync)",
+            "compiled, one loop a parameter (--compile-step)" if compile_step
+            else "fused (no host sync)" if self.core.fused_amp else "unfused (1 host sync)",
         )
 
     def watch_forward(self, model: torch.nn.Module) -> None:

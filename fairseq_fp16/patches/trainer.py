@@ -89,7 +89,9 @@ def _build_optimizer(self):
     ]
     tag_param_names(named)
     self._optimizer = MixedPrecisionFairseqOptimizer(
-        self.cfg, [p for _, p in named], _run_precision(self))
+        self.cfg, [p for _, p in named], _run_precision(self),
+        compile_step=bool(run_context(self.task).flags.compile_step))
+    run_context(self.task).record.record(compile_step=self._optimizer.compiles_step)
     if self.cfg.ema.store_ema and isinstance(self.ema, MastersEMA):
         self.ema.follow(self._optimizer)
     self._optimizer.watch_forward(self._model)

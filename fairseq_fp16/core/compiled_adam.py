@@ -1,0 +1,232 @@
+"""The mixed-precision AdamW step as one ``torch.compile``'d pass per parameter (pure torch).
+
+Eager, a half parameter's step makes four passes over memory: its half gradient copied into an
+fp32 master gradient (2 + 4 bytes a parameter), the norm over that (4), torch's fused AdamW
+(28) and the master rounded into the model (4 + 2): 44 bytes. torch has no eager kernel that
+takes a half gradient into an fp32 master or writes a half copy. :class:`CompiledMixedAdamW`
+sums the half gradient's squares for the norm (2 bytes) and then runs one loop that reads the
+half gradient, the master and the moments and writes the master, the moments and the half
+weight (30 bytes): no fp32 gradient exists. The update is ``torch.optim.AdamW``'s within fp32
+rounding, and its state is the optimizer's own (``exp_avg``, ``exp_avg_sq``, ``step``), so a
+checkpoint is the same either way (``--compile-step``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch.optim import optimizer as optim_hooks
+
+from .adam import FusedAdamWLists
+
+__all__ = ["CompiledMixedAdamW"]
+
+
+#: elements of the tensors the kernels are first compiled on: inductor sizes its loops (whether
+#: they run on every thread) by the first call's sizes, so they must be a large tensor's
+WARM_UP_NUMEL = 1 << 20
+#: half parameters with fewer elements are stepped by torch's eager passes, all in one call each
+SMALL = 1 << 14
+
+
+def _adamw_update(master, grad, exp_avg, exp_avg_sq, hyper, corrections, inv_scale, found_inf, half):
+    """One tensor's AdamW update in one loop: ``grad`` (half, or fp32 for an fp32 parameter)
+    times ``inv_scale``; ``master``, the moments and ``half`` (the model's half copy, or None)
+    written in place; nothing changed where ``found_inf`` is set. ``hyper``: lr, beta1, beta2,
+    weight decay and eps; ``corrections``: the step size ``lr / (1 - beta1 ** step)`` and
+    ``sqrt(1 - beta2 ** step)``; tensors, so that a new learning rate or step compiles
+    nothing."""
+    lr, beta1, beta2, decay, eps = hyper.unbind()
+    step_size, root_correction2 = corrections.unbind()
+    g = grad.float() * inv_scale
+    m = exp_avg + (g - exp_avg) * (1 - beta1)
+    v = exp_avg_sq * beta2 + g * g * (1 - beta2)
+    p = master * (1 - lr * decay) - step_size * m / (v.sqrt() / root_correction2 + eps)
+    skip = found_inf > 0
+    exp_avg.copy_(torch.where(skip, exp_avg, m))
+    exp_avg_sq.copy_(torch.where(skip, exp_avg_sq, v))
+    p = torch.where(skip, master, p)
+    master.copy_(p)
+    if half is not None:
+        half.copy_(p)
+
+
+def _sum_of_squares(grad):
+    g = grad.float()
+    return (g * g).sum()
+
+
+class _Group:
+    """One param group's tensors: the large half parameters' rows (flat master, gradient
+    source, flat moments, flat half copy) with their step counts, and the rest (fp32 islands
+    and small tensors) as the lists torch's fused kernel takes."""
+
+    def __init__(self) -> None:
+        self.rows: List[Tuple[torch.Tensor, ...]] = []
+        self.row_steps: List[torch.Tensor] = []
+        self.masters: List[torch.Tensor] = []
+        self.sources: List[torch.Tensor] = []  # whose .grad each master takes (itself: fp32)
+        self.exp_avgs: List[torch.Tensor] = []
+        self.exp_avg_sqs: List[torch.Tensor] = []
+        self.steps: List[torch.Tensor] = []
+        self.halves: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (half, master) to round
+
+    def grads(self) -> List[torch.Tensor]:
+        """The fused kernel's fp32 gradients: an island's own, a small half one's master's (made
+        by :meth:`copy_grads`)."""
+        return [m.grad for m in self.masters]
+
+    def copy_grads(self) -> None:
+        """The small half parameters' gradients into fp32 master gradients."""
+        dst, src = [], []
+        for m, source in zip(self.masters, self.sources):
+            if source is not m:
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                dst.append(m.grad)
+                src.append(source.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+
+class CompiledMixedAdamW:
+    """torch's fused AdamW over fp32 masters, stepped from the model's half gradients in one
+    compiled loop a parameter (the module's docstring has the bytes).
+
+    Each call of a compiled loop costs tens of microseconds on the host, more than a bias's
+    bytes take: fp32 parameters (the fp32 islands, their own masters) and half ones under
+    :data:`SMALL` elements take torch's eager passes instead, each over all of them at once.
+
+    Args:
+        optimizer: a fused ``torch.optim.AdamW`` over the masters
+            (:meth:`~fairseq_fp16.core.adam.FusedAdamWLists.supports`).
+        halves: ``id(master) -> the model's half parameter``, whose gradient the master takes
+            and which it is rounded into; a master missing here is its own model parameter (an
+            fp32 island).
+
+    Raises:
+        ValueError: naming ``--compile-step``, for another optimizer, or where torch.compile
+            cannot build the kernels on this machine: they are compiled here, on a tensor of
+            each half dtype, so that no training step fails half way.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, halves: Dict[int, torch.Tensor]) -> None:
+        if not FusedAdamWLists.supports(optimizer):
+            raise ValueError("--compile-step compiles torch's fused AdamW update: use --optimizer "
+                             "fp16_adam (with --adam-backend auto or fused, and bias correction)")
+        self.optimizer = optimizer
+        self._halves = halves
+        self._key: Tuple = ()
+        self._groups: List[_Group] = []
+        self._update = torch.compile(_adamw_update, dynamic=True)
+        self._squares = torch.compile(_sum_of_squares, dynamic=True)
+        try:
+            self._warm_up()
+        except Exception as e:  # no C++ compiler, no triton: the run must not start
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ValueError(f"--compile-step: torch.compile cannot build the AdamW update on this "
+                             f"machine ({type(e).__name__}: {first}); run without --compile-step") from e
+
+    def _warm_up(self) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        device = params[0].device
+        one, zero = torch.ones((), device=device), torch.zeros((), device=device)
+        hyper = torch.tensor([1e-3, 0.9, 0.999, 0.0, 1e-8], device=device)
+        corrections = torch.ones(2, device=device)
+        for dtype in sorted({h.dtype for h in self._halves.values()}, key=str):
+            master, exp_avg, exp_avg_sq = (torch.zeros(WARM_UP_NUMEL, device=device) for _ in range(3))
+            half = torch.zeros(WARM_UP_NUMEL, dtype=dtype, device=device)
+            self._update(master, half.clone(), exp_avg, exp_avg_sq, hyper, corrections, one, zero, half)
+            self._squares(half)
+
+    def _current_key(self) -> Tuple:
+        opt = self.optimizer
+        return (id(opt.state), *((id(g["params"]), len(g["params"])) for g in opt.param_groups))
+
+    def _build(self) -> bool:
+        """Each group's tensors (:class:`_Group`); False where a master has no state yet (the
+        first step is torch's) or a tensor is not contiguous."""
+        opt = self.optimizer
+        self._key, self._groups = self._current_key(), []
+        groups = []
+        for group in opt.param_groups:
+            g = _Group()
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if not st:
+                    return False
+                half = self._halves.get(id(p))
+                if half is not None and half.numel() >= SMALL:
+                    tensors = (p, st["exp_avg"], st["exp_avg_sq"], half)
+                    if not all(t.is_contiguous() for t in tensors):
+                        return False
+                    flat = [t.detach().view(-1) for t in tensors]
+                    g.rows.append((flat[0], half, flat[1], flat[2], flat[3]))
+                    g.row_steps.append(st["step"])
+                    continue
+                g.masters.append(p)
+                g.sources.append(p if half is None else half)
+                g.exp_avgs.append(st["exp_avg"])
+                g.exp_avg_sqs.append(st["exp_avg_sq"])
+                g.steps.append(st["step"])
+                if half is not None:
+                    g.halves.append((half, p))
+            groups.append(g)
+        self._groups = groups
+        return True
+
+    def ready(self) -> bool:
+        """Whether :meth:`norm` and :meth:`step` can run: every master has its state and every
+        gradient source a gradient, and nothing asks for torch's own ``step`` (step hooks, a
+        tensor learning rate). Where not, the eager step runs this time."""
+        opt = self.optimizer
+        if (optim_hooks._global_optimizer_pre_hooks or optim_hooks._global_optimizer_post_hooks
+                or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks):
+            return False
+        if any(torch.is_tensor(x) for g in opt.param_groups for x in (g["lr"], *g["betas"])):
+            return False
+        if (not self._groups or self._key != self._current_key()) and not self._build():
+            return False
+        return all(row[1].grad is not None for g in self._groups for row in g.rows) and \
+            all(s.grad is not None for g in self._groups for s in g.sources)
+
+    def norm(self) -> torch.Tensor:
+        """The L2 norm of the model's (still scaled) gradients, summed in fp32: the large half
+        ones' squares compiled, the rest's norms over fp32 gradients (the small half ones'
+        copied into their masters' here, for :meth:`step`)."""
+        sums = []
+        for g in self._groups:
+            sums += [self._squares(row[1].grad.reshape(-1)) for row in g.rows]
+            g.copy_grads()
+            if g.masters:
+                sums.append(torch.stack(torch._foreach_norm(g.grads(), 2)).square().sum())
+        return torch.stack(sums).sum().sqrt()
+
+    def step(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """One AdamW step on the gradients times ``inv_scale``, rounded into the half
+        parameters; skipped (step counts kept) where ``found_inf`` is 1. After :meth:`norm`."""
+        inv_scale = inv_scale.float()
+        with torch.no_grad():
+            for group, g in zip(self.optimizer.param_groups, self._groups):
+                lr, (beta1, beta2) = group["lr"], group["betas"]
+                if g.rows:
+                    hyper = torch.tensor([lr, beta1, beta2, group["weight_decay"], group["eps"]],
+                                         dtype=torch.float32, device=inv_scale.device)
+                    torch._foreach_add_(g.row_steps, 1)
+                    counts = torch.stack(g.row_steps).to(inv_scale.device, torch.float64)
+                    corrections = torch.stack([lr / (1 - beta1 ** counts), (1 - beta2 ** counts).sqrt()], 1)
+                    for (master, source, exp_avg, exp_avg_sq, half), row in zip(g.rows, corrections.float()):
+                        self._update(master, source.grad.reshape(-1), exp_avg, exp_avg_sq, hyper, row,
+                                     inv_scale, found_inf, half)
+                    torch._foreach_sub_(g.row_steps, [found_inf] * len(g.row_steps))
+                if g.masters:
+                    torch._foreach_add_(g.steps, 1)
+                    torch._fused_adamw_(g.masters, g.grads(), g.exp_avgs, g.exp_avg_sqs, [], g.steps,
+                                        amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                                        weight_decay=group["weight_decay"], eps=group["eps"],
+                                        maximize=False, grad_scale=torch.reciprocal(inv_scale),
+                                        found_inf=found_inf)
+                    torch._foreach_sub_(g.steps, [found_inf] * len(g.steps))
+                    if g.halves:
+                        torch._foreach_copy_([h for h, _ in g.halves], [m for _, m in g.halves])
