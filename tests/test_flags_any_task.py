@@ -15,9 +15,10 @@ from conftest import CLI_ENV, TINY_MODEL, USER_DIR, run_cli
 from inprocess import fairseq_train
 
 FLAGS = ["--loss-scale", "--loss-scale-hysteresis", "--max-consecutive-overflows", "--fp32-modules",
-         "--half-matmul", "--fused-loss", "--attention-path", "--cpu-dropout", "--compile-layers", "--length-buckets",
-         "--cuda-graphs", "--scale-trace", "--precision-stats-interval", "--precision-stats",
-         "--precision-divergence-interval", "--precision-divergence"]
+         "--half-matmul", "--fused-loss", "--attention-path", "--cpu-dropout", "--compile-layers",
+         "--compile-step", "--length-buckets", "--cuda-graphs", "--scale-trace",
+         "--precision-stats-interval", "--precision-stats", "--precision-divergence-interval",
+         "--precision-divergence"]
 GROUP = "fairseq_fp16: mixed precision"
 
 LM_MODEL = ["--arch", "transformer_lm", "--decoder-layers", "1", "--decoder-embed-dim", "32",

@@ -21,7 +21,9 @@ device), fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq
 --fp16, no plugin; CUDA only), fp16-fairseq-attn (--attention-path fairseq:
 fairseq's own attention, the CPU default), fp16-compiled / bf16-compiled
 (--compile-layers, which compiles the fused loss too), fp16-workers4
-(--num-workers 4: four batch-loading processes instead of fairseq's one), fp16-buckets /
+(--num-workers 4: four batch-loading processes instead of fairseq's one),
+fp16-compile-step / bf16-compile-step (--compile-step: the optimizer's update compiled from the
+half gradients), fp16-buckets /
 bf16-buckets (--length-buckets auto: batches of at most 16 shapes) and fp16-graphs / bf16-graphs (those
 batches, with the compiled layers run as CUDA graphs: --compile-layers --cuda-graphs).
 Peak memory: the CUDA allocator's peak on --cuda, the process's peak RSS on the
@@ -108,6 +110,9 @@ MODES = {
     "fp16-compiled": ["--fp16", "--compile-layers"],
     "bf16-compiled": ["--bf16", "--compile-layers"],
     "fp16-workers4": ["--fp16", "--num-workers", "4"],
+    # the optimizer's update compiled from the half gradients
+    "fp16-compile-step": ["--fp16", "--compile-step"],
+    "bf16-compile-step": ["--bf16", "--compile-step"],
     # batches of a few fixed shapes (--length-buckets), eager and as CUDA graphs of the compiled layers
     "fp16-buckets": ["--fp16", "--length-buckets", "auto"],
     "bf16-buckets": ["--bf16", "--length-buckets", "auto"],
