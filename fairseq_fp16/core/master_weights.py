@@ -19,11 +19,12 @@
 Parameters that are already fp32 in the model (fp32 islands such as LayerNorm)
 are their own masters: they are updated in place and not copied.
 
-With ``compile_step`` (``--compile-step``) steps 2 and 3 read the half gradients directly: the
-norm sums their squares and one compiled loop a parameter updates the master, the moments and
-the half weight (:class:`~fairseq_fp16.core.compiled_adam.CompiledMixedAdamW`); the fp32 master
-gradients are made only on a step that the loop cannot take (the first, whose optimizer state
-torch creates).
+With ``compile_step`` (``--compile-step``) steps 2 and 3 read the half gradients of large
+parameters directly: the norm sums their squares and one compiled loop a parameter updates the
+master, the moments and the half weight
+(:class:`~fairseq_fp16.core.compiled_adam.CompiledMixedAdamW`); their fp32 master gradients are
+made only on a step that the loops cannot take (the first, whose optimizer state torch
+creates).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class MixedPrecisionOptimizer:
         build_optimizer: called with the master parameters, returns the
             torch optimizer that updates them.
         scaler: the :class:`LossScaler`; its device must be the params'.
-        compile_step: step from the half gradients in one compiled loop a parameter
+        compile_step: step large parameters from their half gradients, one compiled loop each
             (:class:`~fairseq_fp16.core.compiled_adam.CompiledMixedAdamW`).
 
     Raises:
