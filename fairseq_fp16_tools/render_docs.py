@@ -713,8 +713,8 @@ TABLES: Dict[str, Table] = {
                          provenance=True),
     "cpu-goal": Table(tuple(f"{BENCH}/{m}/cpu_goal/{n}.json" for m in CPU_GOAL_MACHINES for n in ("short", "long")),
                       "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,fp32,bf16,fp16,"
-                      "amp,amp-compiled --updates 10 --warmup 5 --profile-dir DIR --model \"--arch "
-                      "transformer --share-all-embeddings --max-tokens 4096\"", cpu_goal_rows,
+                      "amp,amp-compiled[,bf16-compile-step] --updates 10 --warmup 5 --profile-dir DIR "
+                      "--model \"--arch transformer --share-all-embeddings --max-tokens 4096\"", cpu_goal_rows,
                       provenance=True),
     "cpu-profile": Table(tuple(f"{BENCH}/{m}/cpu_goal/{n}.json" for m in CPU_GOAL_MACHINES for n in ("short", "long")),
                          "the cpu-goal command's --profile-dir (3 updates after the timed ones)",
@@ -723,8 +723,9 @@ TABLES: Dict[str, Table] = {
                           "python scripts/bench_half_matmul.py --products --steps 10", product_rows,
                           provenance=True),
     "cpu-demo": Table((f"{BENCH}/amx-xeon/cpu_goal/demo.json",),
-                      f"python scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,fp32,bf16,fp16,amp "
-                      f"--updates 100 --warmup 20 --profile-dir DIR --model \"{DEMO_BENCH_MODEL}\"", cpu_goal_rows,
+                      f"python scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,fp32,bf16,fp16,amp"
+                      f"[,bf16-compile-step] --updates 100 --warmup 20 --profile-dir DIR "
+                      f"--model \"{DEMO_BENCH_MODEL}\"", cpu_goal_rows,
                       provenance=True),
     "cpu-shapes-amx": Table(tuple(f"{BENCH}/amx-xeon/cpu_goal/shapes_{n}.json" for n in ("short", "demo")),
                             "python scripts/bench_fairseq_train.py --modes fp32-stock,amp,bf16,bf16-unpadded,"
