@@ -11,15 +11,15 @@ Parameters are split into a decay group and a no-decay group by name.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.optim import optimizer as optim_hooks
 
 from .param_names import param_name
 
-__all__ = ["ADAM_BACKENDS", "build_adam", "load_state_keeping_backend", "split_no_decay",
-           "AdamWNoBiasCorrection", "FusedAdamWLists", "fused_adamw_kernel_matches"]
+__all__ = ["ADAM_BACKENDS", "build_adam", "copy_half_grads", "load_state_keeping_backend",
+           "split_no_decay", "AdamWNoBiasCorrection", "FusedAdamWLists", "fused_adamw_kernel_matches"]
 
 ADAM_BACKENDS = ("auto", "fused", "foreach", "apex")
 #: Param-group entries that say how torch's optimizers compute, not what they optimize.
@@ -39,6 +39,23 @@ def load_state_keeping_backend(optimizer: torch.optim.Optimizer, state: Dict) ->
         for key in BACKEND_KEYS:
             group.pop(key, None)
         group.update(own)
+
+
+def copy_half_grads(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each (half parameter, fp32 master) pair's gradient into the master's ``.grad`` (made
+    where missing), in one foreach copy; a half parameter without a gradient leaves its
+    master's None."""
+    src, dst = [], []
+    for half, master in pairs:
+        if half.grad is None:
+            master.grad = None
+            continue
+        if master.grad is None:
+            master.grad = torch.empty_like(master)
+        src.append(half.grad)
+        dst.append(master.grad)
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def split_no_decay(

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch.optim import optimizer as optim_hooks
 
-from .adam import FusedAdamWLists
+from .adam import FusedAdamWLists, copy_half_grads
 
 __all__ = ["CompiledMixedAdamW"]
 
@@ -31,9 +31,9 @@ SMALL = 1 << 14
 
 
 def _adamw_update(master, grad, exp_avg, exp_avg_sq, hyper, corrections, inv_scale, found_inf, half):
-    """One tensor's AdamW update in one loop: ``grad`` (half, or fp32 for an fp32 parameter)
-    times ``inv_scale``; ``master``, the moments and ``half`` (the model's half copy, or None)
-    written in place; nothing changed where ``found_inf`` is set. ``hyper``: lr, beta1, beta2,
+    """One tensor's AdamW update in one loop: ``grad`` (the half parameter's) times
+    ``inv_scale``; ``master``, the moments and ``half`` (the model's half copy) written in
+    place; nothing changed where ``found_inf`` is set. ``hyper``: lr, beta1, beta2,
     weight decay and eps; ``corrections``: the step size ``lr / (1 - beta1 ** step)`` and
     ``sqrt(1 - beta2 ** step)``; tensors, so that a new learning rate or step compiles
     nothing."""
@@ -48,8 +48,7 @@ def _adamw_update(master, grad, exp_avg, exp_avg_sq, hyper, corrections, inv_sca
     exp_avg_sq.copy_(torch.where(skip, exp_avg_sq, v))
     p = torch.where(skip, master, p)
     master.copy_(p)
-    if half is not None:
-        half.copy_(p)
+    half.copy_(p)
 
 
 def _sum_of_squares(grad):
@@ -79,15 +78,7 @@ class _Group:
 
     def copy_grads(self) -> None:
         """The small half parameters' gradients into fp32 master gradients."""
-        dst, src = [], []
-        for m, source in zip(self.masters, self.sources):
-            if source is not m:
-                if m.grad is None:
-                    m.grad = torch.empty_like(m)
-                dst.append(m.grad)
-                src.append(source.grad)
-        if dst:
-            torch._foreach_copy_(dst, src)
+        copy_half_grads(self.halves)
 
 
 class CompiledMixedAdamW:

@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .adam import FusedAdamWLists, load_state_keeping_backend
+from .adam import FusedAdamWLists, copy_half_grads, load_state_keeping_backend
 from .compiled_adam import CompiledMixedAdamW
 from .loss_scaler import LossScaler
 from .param_names import CARRIED_ATTRS, NAME_ATTR, param_name, tag_param_names
@@ -196,17 +196,7 @@ class MixedPrecisionOptimizer:
     def _sync_master_grads(self) -> List[torch.Tensor]:
         """Copy half grads into fp32 master grads (once per step); return all master grads."""
         if not self._grads_synced:
-            src, dst = [], []
-            for p, m in self._half_pairs:
-                if p.grad is None:
-                    m.grad = None
-                    continue
-                if m.grad is None:
-                    m.grad = torch.empty_like(m)
-                src.append(p.grad)
-                dst.append(m.grad)
-            if dst:
-                torch._foreach_copy_(dst, src)
+            copy_half_grads(self._half_pairs)
             self._grads_synced = True
         return [m.grad for m in self.master_params if m.grad is not None]
 
