@@ -46,6 +46,7 @@ from .core.compile import compile_training_forward
 from .core.divergence import forward_divergence, summarize_divergence
 from .core.dropout import AUTO_MIN_NUMEL, counter_dropout_available
 from .core.fp32_islands import apply_fp32_islands
+from .core.fused_loss import CPU_COMPILED_MIN_NUMEL as FUSED_LOSS_MIN_COMPILED
 from .core.fused_loss import PATHS as FUSED_LOSS_PATHS
 from .core.half_matmul import NativeHalfProducts, resolve_half_matmul
 from .core.master_weights import tag_param_names
@@ -212,6 +213,9 @@ def fused_criterion(task, criterion, cfg):
     elif state.context.flags.compile_layers:  # compiled layers: the compiled loss too
         fused_loss.fused_loss_path = "compiled"
     path = fused_loss.fused_loss_path
+    if path is None and state.precision.on_cpu:
+        path = (f"compiled for logits of {FUSED_LOSS_MIN_COMPILED:,} elements or more where "
+                "torch.compile builds it, else cache")
     logger.info("--fused-loss %s: %s computes its loss from the logits in fp32 chunks%s, "
                 "keeping no fp32 log-probabilities", mode,
                 getattr(cfg, "_name", None) or type(criterion).__name__,

@@ -89,10 +89,11 @@ class PrecisionFlags(FairseqDataclass):
             "help": "cross_entropy and label_smoothed_cross_entropy computed from the logits "
             "in fp32 chunks, keeping no fp32 log-probabilities for the backward pass (apex "
             "xentropy's role): the same loss, a fraction of its memory. auto: on for --fp16/"
-            "--bf16, off for fp32 (fairseq's own loss). on works in large chunks with few "
-            "passes over memory on CUDA (stream) and in cache-sized chunks on the CPU (cache), "
-            "or, with --compile-layers, in kernels made by torch.compile (compiled); stream, "
-            "cache or compiled turns it on with that path on any device"
+            "--bf16, off for fp32 (fairseq's own loss). on takes large chunks with few passes "
+            "over memory on CUDA (stream); on the CPU, kernels made by torch.compile (compiled) "
+            "for logits of 2**20 elements or more where they build, cache-sized chunks (cache) "
+            "otherwise; with --compile-layers, compiled everywhere. stream, cache or compiled "
+            "turns it on with that path on any device"
         },
     )
     attention_path: ChoiceEnum(list(ATTENTION_PATHS)) = field(  # type: ignore[valid-type]

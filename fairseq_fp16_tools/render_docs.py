@@ -724,7 +724,7 @@ TABLES: Dict[str, Table] = {
                           provenance=True),
     "cpu-demo": Table((f"{BENCH}/amx-xeon/cpu_goal/demo.json",),
                       f"python scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,fp32,bf16,fp16,amp"
-                      f"[,bf16-compile-step] --updates 100 --warmup 20 --profile-dir DIR "
+                      f"[,bf16-cache,bf16-compile-step] --updates 100 --warmup 20 --profile-dir DIR "
                       f"--model \"{DEMO_BENCH_MODEL}\"", cpu_goal_rows,
                       provenance=True),
     "cpu-shapes-amx": Table(tuple(f"{BENCH}/amx-xeon/cpu_goal/shapes_{n}.json" for n in ("short", "demo")),

@@ -17,9 +17,12 @@ the same idea in torch operations:
   forms the gradient in closed form and rounds it to the logits' dtype once, as the
   stock path does at its last cast.
 
-Two ways through the chunks, one per kind of device (``path``):
+Three ways through the chunks (``path``); by default CUDA takes ``stream``, the CPU
+``compiled`` for logits of :data:`CPU_COMPILED_MIN_NUMEL` elements or more and ``cache`` for
+smaller ones or where torch.compile cannot build the kernels (tried once, on the first logits
+that would take them; the run logs why and goes on with ``cache``):
 
-* ``cache`` (the CPU's): chunks small enough to stay in a core's L2 cache, worked on in
+* ``cache``: chunks small enough to stay in a core's L2 cache, worked on in
   place in fp32 (upcast, log-sum-exp, subtract, exponentiate, scale), so each pass costs
   cache bandwidth, not memory bandwidth;
 * ``stream`` (CUDA's): a few large chunks through as few passes over memory as torch's
@@ -32,20 +35,24 @@ Two ways through the chunks, one per kind of device (``path``):
   ``torch.compile`` into kernels that read the half logits and write only per-row numbers
   (forward) or the half gradient (backward). No fp32 chunk exists (the tests check the
   largest allocation), so one chunk takes all the rows. The first batch pays the compilation
-  (CPU: a C++ compiler).
+  (CPU: a C++ compiler); after it, fewer passes make it the CPU's faster path.
 
 The numbers are fairseq's ``label_smoothed_nll_loss`` (``epsilon = 0``: the plain
 negative log-likelihood of ``cross_entropy``): the same fp32 arithmetic on the same
 upcast values, up to the order of fp32 additions.
 """
 
-from typing import Optional, Tuple
+import logging
+from typing import List, Optional, Tuple
 
 import torch
 
 from .compile import dispatch_mode_active
 
-__all__ = ["PATHS", "label_smoothed_nll_from_logits", "chunk_rows", "default_path"]
+__all__ = ["CPU_COMPILED_MIN_NUMEL", "PATHS", "label_smoothed_nll_from_logits", "chunk_rows",
+           "default_path"]
+
+logger = logging.getLogger(__name__)
 
 PATHS = ("cache", "stream", "compiled")
 
@@ -59,9 +66,18 @@ CUDA_CHUNK_ELEMENTS = 1 << 27
 COMPILED_CHUNK_ELEMENTS = 1 << 30
 
 
-def default_path(device: torch.device) -> str:
-    """``stream`` on CUDA, ``cache`` elsewhere."""
-    return "stream" if device.type == "cuda" else "cache"
+#: the fewest logits the CPU compiles by default: below, the compile's seconds buy little
+CPU_COMPILED_MIN_NUMEL = 1 << 20
+#: whether torch.compile built the compiled path here (tried once; empty: not tried yet)
+_BUILDS: List[bool] = []
+
+
+def default_path(device: torch.device, numel: int = 0) -> str:
+    """``stream`` on CUDA; elsewhere ``compiled`` for ``numel`` logits of at least
+    :data:`CPU_COMPILED_MIN_NUMEL` unless torch.compile failed to build it here, else ``cache``."""
+    if device.type == "cuda":
+        return "stream"
+    return "compiled" if numel >= CPU_COMPILED_MIN_NUMEL and _BUILDS != [False] else "cache"
 
 
 def chunk_rows(vocab_size: int, device: torch.device, path: Optional[str] = None) -> int:
@@ -218,6 +234,24 @@ def _run_compiled(fn, *args):
     return _compiled[fn](*args)
 
 
+def _compiled_builds(logits: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether torch.compile builds the compiled path's forward and backward here: tried once,
+    on the first logits given (compiled code is sized by its first inputs), and logged where
+    it fails. True under a Python dispatch mode, where the path runs eagerly (untried)."""
+    if _BUILDS or dispatch_mode_active():
+        return _BUILDS != [False]
+    try:
+        with torch.no_grad():
+            lse = _run_compiled(_rows_forward, logits, target)[0]
+            _run_compiled(_rows_backward, logits, target, lse, lse, lse, lse)
+        _BUILDS.append(True)
+    except Exception as e:  # no C++ compiler, or inductor cannot build the kernels here
+        _BUILDS.append(False)
+        logger.warning("fused loss: torch.compile cannot build its compiled path here (%s: %s); "
+                       "the cache path is used", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    return _BUILDS[0]
+
+
 class _CompiledChunks(torch.autograd.Function):
     """As :class:`_CacheChunks`, the ``compiled`` path."""
 
@@ -259,7 +293,8 @@ def label_smoothed_nll_from_logits(
         epsilon: label smoothing (0: the negative log-likelihood).
         ignore_index: rows whose target equals it count for nothing (fairseq's padding).
         rows: rows upcast to fp32 at a time (default: :func:`chunk_rows`).
-        path: one of :data:`PATHS` (default: :func:`default_path`, by the logits' device).
+        path: one of :data:`PATHS` (default: :func:`default_path`, by the logits' device and
+            size; ``cache`` where the compiled path it picks does not build).
 
     Returns:
         ``(loss, nll_loss)``, fp32 scalars summed over the rows; ``loss`` is
@@ -276,9 +311,12 @@ def label_smoothed_nll_from_logits(
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     if not 0.0 <= epsilon < 1.0:
         raise ValueError(f"label smoothing must be in [0, 1), got {epsilon}")
-    path = path or default_path(logits.device)
-    if path not in _FUNCTIONS:
+    if path is not None and path not in _FUNCTIONS:
         raise ValueError(f"fused loss path must be one of {', '.join(PATHS)}, got {path!r}")
+    logits, target = logits.contiguous(), target.contiguous()
+    if path is None:
+        path = default_path(logits.device, logits.numel())
+        if path == "compiled" and not _compiled_builds(logits, target):
+            path = "cache"
     rows = rows or chunk_rows(logits.size(-1), logits.device, path)
-    return _FUNCTIONS[path].apply(logits.contiguous(), target.contiguous(), float(epsilon),
-                                  ignore_index, int(rows))
+    return _FUNCTIONS[path].apply(logits, target, float(epsilon), ignore_index, int(rows))

@@ -16,8 +16,8 @@ bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
 cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss), fp32-fused
-(--fused-loss on), fp16-cache (--fused-loss cache: the CPU's way on any
-device), fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq
+(--fused-loss on), fp16-cache / bf16-cache (--fused-loss cache: cache-sized chunks, the
+CPU's way for small logits, on any device), fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq
 --fp16, no plugin; CUDA only), fp16-fairseq-attn (--attention-path fairseq:
 fairseq's own attention, the CPU default), fp16-compiled / bf16-compiled
 (--compile-layers, which compiles the fused loss too), fp16-workers4
@@ -103,7 +103,8 @@ MODES = {
     "fp16-unfused": ["--fp16", "--fused-loss", "off"],
     "bf16-unfused": ["--bf16", "--fused-loss", "off"],
     "fp32-fused": ["--fused-loss", "on"],
-    "fp16-cache": ["--fp16", "--fused-loss", "cache"],  # the CPU's fused-loss path, on any device
+    "fp16-cache": ["--fp16", "--fused-loss", "cache"],  # the fused loss in cache-sized chunks
+    "bf16-cache": ["--bf16", "--fused-loss", "cache"],
     "fp16-loss-compiled": ["--fp16", "--fused-loss", "compiled"],  # eager layers, compiled loss
     # the GPU's A/B: attention path, compiled layers, batch-loading processes
     "fp16-fairseq-attn": ["--fp16", "--attention-path", "fairseq"],

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from torch.profiler import ProfilerActivity, profile
 
-from fairseq_fp16.core.fused_loss import PATHS, chunk_rows, label_smoothed_nll_from_logits
+from fairseq_fp16.core import fused_loss
+from fairseq_fp16.core.fused_loss import (CPU_COMPILED_MIN_NUMEL, PATHS, chunk_rows, default_path,
+                                             label_smoothed_nll_from_logits)
 from fairseq_fp16_tools.bench.op_census import OpCensus
 
 PAD = 1
@@ -88,6 +90,8 @@ def test_chunking_does_not_change_a_bit(path):
 
 def test_each_device_its_path_and_chunks():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_path(cuda, 10**9) == "stream" and default_path(cuda) == "stream"
+    assert default_path(cpu, 2**20) == "compiled" and default_path(cpu, 2**20 - 1) == "cache"
     assert chunk_rows(8000, cpu) == 65 and chunk_rows(10**9, cpu) == 1
     # CUDA: 4 chunks for 16k tokens of a 32k vocabulary (launches, not cache, bound a GPU update)
     assert -(-16384 // chunk_rows(32768, cuda)) == 4
@@ -186,6 +190,61 @@ def test_the_compiled_path_keeps_no_fp32_chunk():
     # the largest single allocation (operators that call no other)
     largest = max(e.cpu_memory_usage for e in prof.events() if not e.cpu_children)
     assert largest == big.numel() * 2  # the half gradient; an fp32 chunk would be twice that
+
+
+def large_inputs(dtype, numel):
+    """Logits of at least ``numel`` elements (rows of the small inputs repeated)."""
+    logits, target = inputs(dtype)
+    copies = -(-numel // logits.numel())
+    return torch.cat([logits] * copies), torch.cat([target] * copies)
+
+
+def spy_on_paths(monkeypatch):
+    """The paths :func:`label_smoothed_nll_from_logits` takes, in order, as it takes them."""
+    taken = []
+    for path, function in list(fused_loss._FUNCTIONS.items()):
+        def apply(*args, _path=path, _function=function):
+            taken.append(_path)
+            return _function.apply(*args)
+        monkeypatch.setitem(fused_loss._FUNCTIONS, path, type(path, (), {"apply": staticmethod(apply)}))
+    return taken
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_cpu_compiles_large_losses_and_chunks_small_ones(dtype, monkeypatch):
+    """By default the CPU computes a loss of 2**20 logits or more with the compiled path and
+    a smaller one in cache-sized chunks: the same bits as asking for each path by name."""
+    taken = spy_on_paths(monkeypatch)
+    large, small = large_inputs(dtype, CPU_COMPILED_MIN_NUMEL), inputs(dtype)
+    for (logits, target), path in ((large, "compiled"), (small, "cache")):
+        got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, ignore_index=PAD)
+        named = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1,
+                              ignore_index=PAD, path=path)
+        assert all(torch.equal(a, b) for a, b in zip(got, named))
+    assert taken == ["compiled", "compiled", "cache", "cache"]
+
+
+def test_where_torch_compile_fails_the_cpu_keeps_the_cache_path(monkeypatch, caplog):
+    """A machine where torch.compile cannot build the kernels (no C++ compiler) trains on:
+    the first large loss logs why and every loss takes the cache path from then on."""
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Compiler: g++ is not found\nmore lines")
+
+    monkeypatch.setattr(fused_loss, "_BUILDS", [])
+    monkeypatch.setattr(fused_loss, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    taken = spy_on_paths(monkeypatch)
+    logits, target = large_inputs(torch.bfloat16, CPU_COMPILED_MIN_NUMEL)
+    with caplog.at_level("WARNING", logger=fused_loss.__name__):
+        got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, ignore_index=PAD)
+        got_again = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1,
+                                  ignore_index=PAD)
+    cache = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, ignore_index=PAD,
+                          path="cache")
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got, got_again, cache))
+    assert caplog.messages == ["fused loss: torch.compile cannot build its compiled path here "
+                               "(RuntimeError: Compiler: g++ is not found); the cache path is used"]
+    assert taken == ["cache"] * 3 and default_path(torch.device("cpu"), 10**9) == "cache"
 
 
 @pytest.mark.gpu
