@@ -393,6 +393,17 @@ def dropout_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                      "counter fwd+bwd ms", "speed-up", "x * x ms"], rows)
 
 
+def fused_loss_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bench_fused_loss.py: fairseq's loss and each fused path, per dtype and shape."""
+    (d,) = data
+    rows = [[dtype, f"{r['rows']:,} x {r['vocab']:,}", num(r["fairseq_ms"], 1), num(r["cache_ms"], 1),
+             num(r["stream_ms"], 1), num(r["compiled_ms"], 1), r["default"],
+             ratio(r["default_over_fairseq"]), num(r["pass_ms"], 2)]
+            for dtype, results in d["results"].items() for r in results]
+    return md_table(["dtype", "tokens x vocabulary", "fairseq's ms", "cache ms", "stream ms",
+                     "compiled ms", "default", "default / fairseq's", "x * x ms"], rows)
+
+
 def optimizer_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/bench_optimizer.py on each machine."""
     rows = []
@@ -736,6 +747,8 @@ TABLES: Dict[str, Table] = {
                             provenance=True),
     "dropout": Table((f"{BENCH}/avx512-epyc/dropout.json",), "python scripts/bench_dropout.py",
                      dropout_rows, provenance=True),
+    "cpu-loss": Table((f"{BENCH}/amx-xeon/fused_loss.json",), "python scripts/bench_fused_loss.py",
+                      fused_loss_rows, provenance=True),
     "other-tasks": Table(tuple(f"{BENCH}/amx-xeon/other_tasks/{n}.json" for n in ("multilingual", "bart_base")),
                          "python scripts/bench_fairseq_train.py --modes fp32,fp16,bf16 --task-args "
                          "\"--task ...\" --model \"--arch ...\" (the commands in docs/benchmarks.md)",
