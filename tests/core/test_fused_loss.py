@@ -214,6 +214,11 @@ def spy_on_paths(monkeypatch):
 def test_the_cpu_compiles_large_losses_and_chunks_small_ones(dtype, monkeypatch):
     """By default the CPU computes a loss of 2**20 logits or more with the compiled path and
     a smaller one in cache-sized chunks: the same bits as asking for each path by name."""
+    # a process's first try, as a run's: other tests compiled these functions for other
+    # dtypes and shapes, up to torch's recompile limit
+    torch._dynamo.reset()
+    monkeypatch.setattr(fused_loss, "_BUILDS", [])
+    monkeypatch.setattr(fused_loss, "_compiled", {})
     taken = spy_on_paths(monkeypatch)
     large, small = large_inputs(dtype, CPU_COMPILED_MIN_NUMEL), inputs(dtype)
     for (logits, target), path in ((large, "compiled"), (small, "cache")):
