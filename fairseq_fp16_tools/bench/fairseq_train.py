@@ -17,9 +17,9 @@ cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss), fp32-fused
 (--fused-loss on), fp16-cache / bf16-cache (--fused-loss cache: cache-sized chunks, the
-CPU's way for small logits, on any device), fp16-loss-compiled (--fused-loss compiled), fp16-stock (stock fairseq
---fp16, no plugin; CUDA only), fp16-fairseq-attn (--attention-path fairseq:
-fairseq's own attention, the CPU default), fp16-compiled / bf16-compiled
+CPU's way for small logits, on any device), fp16-loss-compiled (--fused-loss compiled),
+fp16-stock (stock fairseq --fp16, no plugin; CUDA only), fp16-fairseq-attn
+(--attention-path fairseq: fairseq's own attention, the CPU default), fp16-compiled / bf16-compiled
 (--compile-layers, which compiles the fused loss too), fp16-workers4
 (--num-workers 4: four batch-loading processes instead of fairseq's one),
 fp16-compile-step / bf16-compile-step (--compile-step: the optimizer's update compiled from the
