@@ -12,8 +12,6 @@ and the ``provenance`` of the code and software measured (fairseq_fp16_tools/pro
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,20 +20,10 @@ from fairseq_fp16.core.dropout import counter_dropout
 
 from ..provenance import describe
 from .run_stats import machine
+from .timing import median_ms
 
 P = 0.1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def timed(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000.0
 
 
 def forward_backward(dropout, x, grad):
@@ -53,11 +41,11 @@ def bench(numel: int, dtype: torch.dtype, repeats: int) -> dict:
     counter = lambda t: counter_dropout(t, P)  # noqa: E731
     with torch.no_grad():
         row = {"numel": numel,
-               "torch_fwd_ms": timed(lambda: torch_drop(x), repeats),
-               "counter_fwd_ms": timed(lambda: counter(x), repeats),
-               "mul_ms": timed(lambda: x * x, repeats)}
-    row["torch_fwd_bwd_ms"] = timed(forward_backward(torch_drop, x, grad), repeats)
-    row["counter_fwd_bwd_ms"] = timed(forward_backward(counter, x, grad), repeats)
+               "torch_fwd_ms": median_ms(lambda: torch_drop(x), repeats),
+               "counter_fwd_ms": median_ms(lambda: counter(x), repeats),
+               "mul_ms": median_ms(lambda: x * x, repeats)}
+    row["torch_fwd_bwd_ms"] = median_ms(forward_backward(torch_drop, x, grad), repeats)
+    row["counter_fwd_bwd_ms"] = median_ms(forward_backward(counter, x, grad), repeats)
     row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
     row["speedup_fwd"] = round(row["torch_fwd_ms"] / row["counter_fwd_ms"], 2)
     row["speedup_fwd_bwd"] = round(row["torch_fwd_bwd_ms"] / row["counter_fwd_bwd_ms"], 2)

@@ -14,8 +14,6 @@ object with the ``machine`` and the ``provenance`` of the code measured.
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
@@ -24,19 +22,10 @@ from fairseq_fp16.core.fused_loss import PATHS, default_path, label_smoothed_nll
 
 from ..provenance import describe
 from .run_stats import machine
+from .timing import median_ms
 
 EPSILON, PAD = 0.1, 1
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def timed(fn, repeats: int) -> float:
-    fn()  # a compile, the allocator's first blocks
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000.0
 
 
 def fairseq_loss(logits, target):
@@ -57,13 +46,14 @@ def bench(rows: int, vocab: int, dtype: torch.dtype, device: torch.device, repea
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(device=device, dtype=dtype)
     target = torch.randint(4, vocab, (rows,), generator=g).to(device)
     target[-rows // 10:] = PAD  # a batch's padding
+    timed = lambda fn: median_ms(fn, repeats, warmup=1)  # noqa: E731 (the compile in the warm-up)
     result = {"rows": rows, "vocab": vocab, "default": default_path(device, logits.numel()),
-              "fairseq_ms": timed(forward_backward(fairseq_loss, logits, target), repeats)}
+              "fairseq_ms": timed(forward_backward(fairseq_loss, logits, target))}
     for path in PATHS:
         loss = lambda x, t, p=path: label_smoothed_nll_from_logits(x, t, EPSILON, PAD, path=p)  # noqa: E731
-        result[f"{path}_ms"] = timed(forward_backward(loss, logits, target), repeats)
+        result[f"{path}_ms"] = timed(forward_backward(loss, logits, target))
     with torch.no_grad():
-        result["pass_ms"] = timed(lambda: logits * logits, repeats)
+        result["pass_ms"] = timed(lambda: logits * logits)
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
     result["default_over_fairseq"] = round(result[f"{result['default']}_ms"] / result["fairseq_ms"], 3)
     return result
