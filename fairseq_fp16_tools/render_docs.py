@@ -375,11 +375,12 @@ def cpu_profile_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
 def product_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/bench_half_matmul.py --products on each machine: TFLOP/s per kernel choice and
     shape."""
-    shapes = list(next(iter(data[0]["tflops"].values())))
-    rows = [[machine_of(path), name] + [num(v[s], 3) for s in shapes]
-            + [ratio(v[shapes[-1]] / d["tflops"]["fp32"][shapes[-1]])]
+    shapes = list(dict.fromkeys(s for d in data for v in d["tflops"].values() for s in v))
+    ffn = "4096x2048x512"
+    rows = [[machine_of(path), name] + [num(v.get(s), 3) for s in shapes]
+            + [ratio(v[ffn] / d["tflops"]["fp32"][ffn])]
             for d, path in zip(data, paths) for name, v in d["tflops"].items()]
-    return md_table(["machine", "kernel"] + [f"{s}, TFLOP/s" for s in shapes] + [f"x fp32 ({shapes[-1]})"], rows)
+    return md_table(["machine", "kernel"] + [f"{s}, TFLOP/s" for s in shapes] + [f"x fp32 ({ffn})"], rows)
 
 
 def dropout_rows(data: Sequence[dict], paths: Sequence[str]) -> str:

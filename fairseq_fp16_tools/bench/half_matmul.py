@@ -21,7 +21,8 @@ slow: it runs --slow-steps steps per round only.
 
 ``--products`` times the matrix products alone instead (a transformer base layer's at 4,096
 tokens: the projections 4096x512 by 512x512, FFN 4096x512 by 512x2048 and 4096x2048 by
-2048x512), in TFLOP/s per kernel choice: fp32, native bf16 and fp16, and fp32 accumulation
+2048x512, and a projection's weight gradient, 512x4096 (transposed) by 4096x512), in TFLOP/s
+per kernel choice: fp32, native bf16 and fp16, and fp32 accumulation
 (the half operands upcast, an fp32 product, the result rounded to half), with the ``machine``
 and the ``provenance`` in the JSON.
 """
@@ -136,6 +137,10 @@ def time_steps(model, x, steps, accumulate):
 
 #: (m, k, n) of transformer base's products at 4,096 tokens
 PRODUCT_SHAPES = ((4096, 512, 512), (4096, 512, 2048), (4096, 2048, 512))
+#: and a projection's weight gradient: the tokens are the sum, the left operand the output
+#: gradient transposed (a view of a row-major 4096 x 512 tensor), as a linear layer's backward
+#: pass multiplies them
+WEIGHT_GRADIENT = (512, 4096, 512)
 
 
 def product_throughput(repeats: int) -> dict:
@@ -151,15 +156,18 @@ def product_throughput(repeats: int) -> dict:
     for name, (dtype, product) in choices.items():
         slow = "native" in name and not cpu_has_native_half(dtype)
         rows = {}
-        for m, k, n in PRODUCT_SHAPES:
-            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        for m, k, n in PRODUCT_SHAPES + (WEIGHT_GRADIENT,):
+            wgrad = (m, k, n) == WEIGHT_GRADIENT
+            a = torch.randn(k, m).to(dtype).t() if wgrad else torch.randn(m, k).to(dtype)
+            b = torch.randn(k, n).to(dtype)
             product(a, b)  # warm-up (oneDNN builds its kernel)
             times = []
             for _ in range(1 if slow else repeats):
                 t0 = time.perf_counter()
                 product(a, b)
                 times.append(time.perf_counter() - t0)
-            rows[f"{m}x{k}x{n}"] = round(2 * m * k * n / statistics.median(times) / 1e12, 3)
+            key = f"{m}x{k}x{n}" + (" wgrad" if wgrad else "")
+            rows[key] = round(2 * m * k * n / statistics.median(times) / 1e12, 3)
         out[name] = rows
     return out
 
