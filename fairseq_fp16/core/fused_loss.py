@@ -226,11 +226,12 @@ _compiled = {}
 
 def _run_compiled(fn, *args):
     """``fn`` compiled (once); eagerly under a Python dispatch mode, where torch.compile
-    compiles nothing and would run ``fn`` eagerly from then on (:mod:`.compile`)."""
+    compiles nothing and would run ``fn`` eagerly from then on (:mod:`.compile`). Past torch's
+    recompile limit (a process asking for many dtypes and shapes) torch runs ``fn`` eagerly."""
     if dispatch_mode_active():
         return fn(*args)
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        _compiled[fn] = torch.compile(fn, dynamic=True)
     return _compiled[fn](*args)
 
 
