@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from fairseq_fp16.core import compiled_adam
 from fairseq_fp16.core.adam import build_adam
@@ -9,8 +10,10 @@ from fairseq_fp16.core.loss_scaler import LossScaler
 from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer
 
 HP = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
-# a large half tensor (the compiled loop), small ones (torch's passes) and an fp32 island
-SHAPES = ((160, 128), (64, 32), (32,), (7, 5, 3))
+# large half tensors (the compiled loop: five of one size, four of them stepped in one call, and
+# one of another size), small ones (torch's passes) and an fp32 island
+SHAPES = ((160, 128),) * 5 + ((130, 128), (64, 32), (32,), (7, 5, 3))
+SMALL = SHAPES.index((64, 32))
 
 
 def build(dtype, compile_step, backend="fused", scale=1024.0):
@@ -60,6 +63,15 @@ def test_compiled_step_tracks_the_eager_step_with_clipping_and_an_overflow(dtype
         assert st["step"].item() == ref_st["step"].item() == 7.0  # the overflow skipped one
         torch.testing.assert_close(st["exp_avg_sq"], ref_st["exp_avg_sq"], rtol=1e-5, atol=1e-12)
     assert opt.scaler.loss_scale == eager.scaler.loss_scale
+    # four tensors of one size stepped in one call; the fifth and the one of another size alone
+    assert [(g.batches, g.singles) for g in opt._compiled._groups] == [([[0, 1, 2, 3]], [4, 5])]
+
+
+def test_the_training_steps_compile_nothing_after_the_warm_up():
+    build(torch.bfloat16, True)  # compiles the kernels on a tensor of 2**20 elements
+    graphs = counters["stats"]["unique_graphs"]
+    train(torch.bfloat16, True)  # another optimizer, the same functions: tensors of other sizes
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_the_norm_is_the_eager_one_and_no_fp32_gradient_is_made_for_large_tensors():
@@ -73,7 +85,7 @@ def test_the_norm_is_the_eager_one_and_no_fp32_gradient_is_made_for_large_tensor
     torch.testing.assert_close(opt.clip_grad_norm(0.0), expected)
     opt.step()
     assert opt.master_params[0].grad is None  # the large tensor's update read the half gradient
-    assert opt.master_params[1].grad is not None  # a small one went through torch's passes
+    assert opt.master_params[SMALL].grad is not None  # a small one went through torch's passes
 
 
 def test_an_overflow_leaves_masters_moments_and_step_counts_bit_for_bit():
