@@ -3,7 +3,8 @@
     python scripts/bench_optimizer.py [--params 1e6,1e7,1e8] [--device cpu|cuda] [--steps 10]
         [--dtype fp16|bf16]
 
-For each size, in one process: the time of one mixed-precision step of
+For each size, in one process and timed in turn (one step of each, round after round, so that
+the machine's drift in speed moves them alike): the time of one mixed-precision step of
 ``fp16_adam`` inside the plugin's wrapper (half grads -> fp32 master grads ->
 norm/overflow check -> fused AdamW on fp32 masters -> half copy back), of the
 same step compiled (``--compile-step``: the norm summed from the half grads, then
@@ -63,6 +64,23 @@ def timed(fn, steps, device):
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1000
+
+
+def timed_in_turn(fns, steps, device):
+    """The median ms of each of ``fns`` (name -> function), called in turn ``steps`` rounds after
+    one warm-up call each: a VM's speed can move by half within minutes, and timed in turn the
+    ratios between the functions do not move with it."""
+    for fn in fns.values():
+        fn()
+    sync(device)
+    times = {name: [] for name in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 def tensors(n, dtype, device, fill=None):
@@ -152,25 +170,15 @@ def bench(n, device, steps, with_passes=True, dtype=torch.float16):
     half = [torch.nn.Parameter(t) for t in tensors(n, dtype, device)]
     grads = tensors(n, dtype, device, fill=1e-3)
     opt, mixed_step = wrapper_step(half, grads, device)
-    mixed_ms = timed(mixed_step, steps, device)
-    with HostSyncCounter() as counter:
-        mixed_step()
-    syncs = counter.count
-    fused = opt.fused_amp
-    del opt
+    step_fns = {"mixed": mixed_step}
     t0 = time.perf_counter()
     try:
         compiled_opt, compiled_step = wrapper_step(half, grads, device, compile_step=True)
     except ValueError as e:  # torch.compile cannot build it here (no compiler, no triton)
-        compiled, compiled_ms = {"compiled_error": str(e)}, None
+        compiled, compiled_opt = {"compiled_error": str(e)}, None
     else:
         compile_s = time.perf_counter() - t0
-        compiled_ms = timed(compiled_step, steps, device)  # its first step is torch's (state made)
-        compiled = {"compiled_step_ms": round(compiled_ms, 3), "compile_s": round(compile_s, 1)}
-        if with_passes:
-            compiled["compiled_passes_ms"] = compiled_passes(compiled_opt, half, grads, device, steps)
-        del compiled_opt
-    del half, grads
+        step_fns["compiled"] = compiled_step  # its first (warm-up) step is torch's: state made
 
     # fused fp32 AdamW
     p32 = [torch.nn.Parameter(t) for t in tensors(n, torch.float32, device)]
@@ -182,8 +190,21 @@ def bench(n, device, steps, with_passes=True, dtype=torch.float16):
             p.grad = g
         adamw.step()
 
-    adamw_ms = timed(adamw_step, steps, device)
+    step_fns["adamw"] = adamw_step
+    ms = timed_in_turn(step_fns, steps, device)
+    mixed_ms, adamw_ms, compiled_ms = ms["mixed"], ms["adamw"], ms.get("compiled")
     del p32, g32, adamw
+    with HostSyncCounter() as counter:
+        mixed_step()
+    syncs = counter.count
+    fused = opt.fused_amp
+    del opt
+    if compiled_opt is not None:
+        compiled = {"compiled_step_ms": round(compiled_ms, 3), "compile_s": round(compile_s, 1)}
+        if with_passes:
+            compiled["compiled_passes_ms"] = compiled_passes(compiled_opt, half, grads, device, steps)
+        del compiled_opt
+    del half, grads
 
     # memory copy: the wrapper's bytes as one read+write stream
     src = torch.empty(n * WRAPPER_BYTES_PER_PARAM // 8, dtype=torch.float32, device=device)
