@@ -233,15 +233,16 @@ def test_past_the_recompile_limit_the_compiled_path_runs_eagerly(monkeypatch):
     """A process that asks the compiled path for more dtypes and shapes than torch's recompile
     limit allows graphs gets the same losses from the functions run eagerly, not an error."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     monkeypatch.setattr(fused_loss, "_compiled", {})
-    for dtype in (torch.bfloat16, torch.float16):  # the second is past the limit of one graph
-        logits, target = inputs(dtype)
-        got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1, ignore_index=PAD,
-                            path="compiled")
-        ref = loss_and_grad(fairseq_loss, logits, target, 0.1)
-        torch.testing.assert_close(got[0], ref[0], rtol=2e-6, atol=0)
-        assert got[2].dtype == dtype
+    # torch's config module, not monkeypatch: undoing a setattr there deletes the setting
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for dtype in (torch.bfloat16, torch.float16):  # the second is past the limit of one graph
+            logits, target = inputs(dtype)
+            got = loss_and_grad(label_smoothed_nll_from_logits, logits, target, 0.1,
+                                ignore_index=PAD, path="compiled")
+            ref = loss_and_grad(fairseq_loss, logits, target, 0.1)
+            torch.testing.assert_close(got[0], ref[0], rtol=2e-6, atol=0)
+            assert got[2].dtype == dtype
     torch._dynamo.reset()
 
 
