@@ -17,7 +17,7 @@ setup(
         # BLEU, chrF and paired significance; Student's t for the seed-paired equivalence test;
         # sentencepiece; Moses-style sentence splitting for the Debian corpus
         "tools": ["sacrebleu>=2.4", "scipy", "sentencepiece", "sentence-splitter"],
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "pytest-xdist>=3"],
         "plots": ["matplotlib"],
     },
     entry_points={

@@ -202,6 +202,18 @@ def stock_abort_at_exit(proc) -> bool:
             and "terminate called without an active exception" in proc.stderr)
 
 
+def pytest_sessionfinish(session):
+    """An xdist worker hands its counts of :data:`RUNS` to the controller, which reports them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fairseq_cli_runs"] = dict(RUNS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for key, count in getattr(node, "workeroutput", {}).get("fairseq_cli_runs", {}).items():
+        RUNS[key] = RUNS.get(key, 0) + count
+
+
 def pytest_terminal_summary(terminalreporter):
     if RUNS:  # a silent fall-back to fresh processes would only show as a slower suite
         terminalreporter.write_line("fairseq CLI runs: " + "; ".join(f"{k}: {v}" for k, v in sorted(RUNS.items())))
