@@ -23,7 +23,8 @@ read, half written) in fp32.
 
 What bounds the step (``--passes``, on by default): each of the wrapper's four passes timed
 alone on the same tensors (``passes_ms``), and the compiled step's two parts
-(``compiled_passes_ms``): the norm from the half gradients, and the update loops.
+(``compiled_passes_ms``): the norm from the half gradients, and the update loops; the passes
+of each step timed in turn.
 
 Prints a table and, as its last line, one JSON object (with the ``provenance`` of the code and
 software measured: fairseq_fp16_tools/provenance.py).
@@ -128,7 +129,7 @@ def fixed_cost(device, steps, count=200, size=16):
 
 
 def passes(n, device, steps, dtype=torch.float16) -> dict:
-    """The wrapper's passes alone on ``n`` parameters."""
+    """The wrapper's passes alone on ``n`` parameters, timed in turn."""
     half = tensors(n, dtype, device)
     grads = tensors(n, dtype, device, fill=1e-3)
     masters = [torch.nn.Parameter(t.float()) for t in half]
@@ -143,24 +144,24 @@ def passes(n, device, steps, dtype=torch.float16) -> dict:
         adamw.grad_scale, adamw.found_inf = scale, found_inf
         adamw.step()
 
-    ms = {
-        "grad_copy": timed(lambda: torch._foreach_copy_([torch.empty_like(m) for m in masters], grads),
-                           steps, device),
-        "norm": timed(lambda: torch._foreach_norm(master_grads, 2), steps, device),
-        "adamw": timed(scaled_step, steps, device),
-        "copy_back": timed(lambda: torch._foreach_copy_(half, masters), steps, device),
-    }
+    ms = timed_in_turn({
+        "grad_copy": lambda: torch._foreach_copy_([torch.empty_like(m) for m in masters], grads),
+        "norm": lambda: torch._foreach_norm(master_grads, 2),
+        "adamw": scaled_step,
+        "copy_back": lambda: torch._foreach_copy_(half, masters),
+    }, steps, device)
     return {"passes_ms": {k: round(v, 3) for k, v in ms.items()}}
 
 
 def compiled_passes(opt, half, grads, device, steps) -> dict:
-    """The compiled step's norm and update alone (``opt`` built with ``compile_step``)."""
+    """The compiled step's norm and update alone, timed in turn (``opt`` built with
+    ``compile_step``)."""
     for p, g in zip(half, grads):
         p.grad = g
     opt.clip_grad_norm(1.0)
     core = opt._compiled
-    out = {"norm": timed(core.norm, steps, device),
-           "update": timed(lambda: core.step(opt._inv_scale, opt._found_inf), steps, device)}
+    out = timed_in_turn({"norm": core.norm,
+                         "update": lambda: core.step(opt._inv_scale, opt._found_inf)}, steps, device)
     opt.zero_grad()
     return {k: round(v, 3) for k, v in out.items()}
 
