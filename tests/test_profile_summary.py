@@ -119,3 +119,20 @@ def test_a_cpu_trace_is_broken_down_by_the_operators_self_time():
     assert out["products_frac"] == 0.2
     assert out["top_cpu_self"][0] == ["products", "aten::addmm", 1.0, 0.4]
     assert "framework" in cpu_table({"bf16": out}) and "20%" in cpu_table({"bf16": out})
+
+
+def test_the_copies_are_attributed_to_what_asked_for_them():
+    """A copy's time goes to the nearest enclosing event that is neither a copy nor a view or
+    cast passing it on; a copy's own inner copies (contiguous -> clone -> copy_) count as one."""
+    trace = {"traceEvents": [
+        ev("cpu_op", "aten::bmm", 0, 500), ev("cpu_op", "aten::contiguous", 0, 300),
+        ev("cpu_op", "aten::clone", 0, 300), ev("cpu_op", "aten::copy_", 10, 250),
+        ev("cpu_op", "ViewBackward0", 500, 200), ev("cpu_op", "aten::reshape", 500, 200),
+        ev("cpu_op", "aten::clone", 500, 200), ev("cpu_op", "aten::copy_", 510, 150),
+        ev("user_annotation", "optimizer", 700, 300), ev("cpu_op", "aten::_foreach_copy_", 700, 100),
+        ev("cpu_op", "aten::copy_", 1000, 100),
+    ]}
+    out = summarize_trace(trace, 1, 1.5, [1.2])
+    assert out["copies_by_asker"] == [["aten::bmm", 1.0, 0.3], ["ViewBackward0", 1.0, 0.2],
+                                      ["optimizer", 1.0, 0.1], ["(none)", 1.0, 0.1]]
+    assert out["cpu_ms"]["copies"] == 0.6 and out["cpu_ms"]["step"] == 0.1

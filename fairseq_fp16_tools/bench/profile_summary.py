@@ -24,7 +24,11 @@ On a CPU run the trace has no device events: the device fields are None, and ``c
 where the CPU's time goes instead: each operator's self time (its time less that of the
 operators it called) per update, by :func:`cpu_class` (:data:`CPU_CLASSES`), with
 ``framework`` the rest of the train steps' wall time (Python, dispatch, the profiler's own
-cost); ``products_frac``: the products' share of the train steps' wall time.
+cost); ``products_frac``: the products' share of the train steps' wall time;
+``copies_by_asker``: the copies' self time by what asked for them, the nearest enclosing event
+that is not itself a copy, a view or a cast (``aten::bmm``: a product making its operands
+contiguous; ``ViewBackward0``: autograd reshaping a gradient; ``optimizer``: the step), each
+``[asker, copies per update (a copy's own inner copies not counted), ms per update]``.
 """
 
 import argparse
@@ -56,6 +60,8 @@ PRODUCTS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|mv|addmv|dot|convolu
                       r"_convolution|mkldnn_\w+|_scaled_dot_product\w*|conv_tbc\w*)$")
 COPIES = re.compile(r"^aten::(copy_|_to_copy|clone|contiguous|cat|stack|_foreach_copy_|"
                     r"index_select|embedding\w*|fill_|zero_|_unsafe_view)$")
+#: operators that only pass a copy on to the one that asked for it (:func:`cpu_breakdown`)
+PASS_ON = re.compile(r"^aten::(reshape|view|to|type_as|_reshape_alias|flatten|expand_as)$")
 NORMS = re.compile(r"^aten::(native_layer_norm\w*|_softmax\w*|softmax|native_group_norm\w*|"
                    r"_fused_rms_norm\w*|native_batch_norm\w*)$")
 TOP = 15
@@ -101,9 +107,9 @@ def summarize_trace(trace: Dict, updates: int, window_ms: float,
         label = classify(e.get("name", ""), e.get("cat", ""))
         by_class[label] = by_class.get(label, 0.0) + e["dur"] / 1000.0
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    cpu_ms, products_frac, top_self = None, None, None
+    cpu_ms, products_frac, top_self, copies = None, None, None, None
     if not device and step_ms:
-        cpu_ms, top_self = cpu_breakdown(events, updates, sum(step_ms) / updates)
+        cpu_ms, top_self, copies = cpu_breakdown(events, updates, sum(step_ms) / updates)
         products_frac = round(cpu_ms["products"] / (sum(step_ms) / updates), 4)
     launches = sum(1 for e in runtime if LAUNCH.search(e.get("name", "")))
     sync_ms = sum(e["dur"] for e in runtime if SYNC.search(e.get("name", ""))) / 1000.0
@@ -121,6 +127,7 @@ def summarize_trace(trace: Dict, updates: int, window_ms: float,
         "cpu_ms": cpu_ms,
         "products_frac": products_frac,
         "top_cpu_self": top_self,
+        "copies_by_asker": copies,
         "device_kernels": len(device) // updates,
         "top_kernels": _top(device, updates, key=2),
         "top_host_ops": _top([e for e in events if e.get("cat") == "cpu_op"
@@ -158,11 +165,13 @@ def cpu_breakdown(events: List[Dict], updates: int, step_wall_ms: float):
     """(ms per update by :data:`CPU_CLASSES` of the CPU operators' self times, with
     ``framework`` the train steps' wall time per update ``step_wall_ms`` less all of them;
     the :data:`TOP` (class, operator) pairs by self time, each ``[class, name, calls per update,
-    ms per update]``)."""
+    ms per update]``; the :data:`TOP` askers of the copies by self time, each ``[asker, copies
+    per update, ms per update]``)."""
     spans = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
     spans.sort(key=lambda e: (e.get("tid", 0), e["ts"], -e["dur"]))
     totals = {k: 0.0 for k in CPU_CLASSES}
     by_op: Dict[Tuple[str, str], List[float]] = {}
+    askers: Dict[str, List[float]] = {}
     stack: List[List] = []  # [event, time of its children], the enclosing events
     tid = None
 
@@ -176,6 +185,12 @@ def cpu_breakdown(events: List[Dict], updates: int, step_wall_ms: float):
             acc = by_op.setdefault((label, name[:120]), [0, 0.0])
             acc[0] += 1
             acc[1] += own
+            if COPIES.match(name):
+                asker = next((n for n in (e.get("name", "") for e, _ in reversed(stack))
+                              if not COPIES.match(n) and not PASS_ON.match(n)), "(none)")
+                acc = askers.setdefault(asker[:120], [0, 0.0])
+                acc[0] += not (stack and COPIES.match(stack[-1][0].get("name", "")))  # outermost
+                acc[1] += own
 
     for e in spans:
         if e.get("tid", 0) != tid:
@@ -192,8 +207,10 @@ def cpu_breakdown(events: List[Dict], updates: int, step_wall_ms: float):
     out = {k: round(v / 1000.0 / updates, 3) for k, v in totals.items()}
     out["framework"] = round(max(0.0, step_wall_ms - sum(out.values())), 3)
     top = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:TOP]
-    return out, [[label, name, round(n / updates, 1), round(us / 1000.0 / updates, 3)]
-                 for (label, name), (n, us) in top]
+    copies = sorted(askers.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return (out, [[label, name, round(n / updates, 1), round(us / 1000.0 / updates, 3)]
+                  for (label, name), (n, us) in top],
+            [[asker, round(n / updates, 1), round(us / 1000.0 / updates, 3)] for asker, (n, us) in copies])
 
 
 def _top(events, updates: int, key: int) -> List[list]:
@@ -257,5 +274,9 @@ def main(argv=None) -> int:
     cpu = cpu_table(profiles)
     if cpu:
         print("\nCPU time per update (ms, operators' self time):\n" + cpu)
+    for name, p in profiles.items():
+        if p.get("copies_by_asker"):
+            print(f"\n{name}: copies by what asked for them (per update: copies, ms):\n" + "\n".join(
+                f"{n:8.1f} {ms:8.1f}  {asker}" for asker, n, ms in p["copies_by_asker"]))
     return 0
 
