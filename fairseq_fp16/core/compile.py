@@ -24,9 +24,10 @@ to :data:`RECOMPILE_LIMIT` so that none of them falls back to eager.
 
 Under a Python dispatch mode (the plugin's check of the CPU's half products on the first step,
 an operator census) the module's own forward runs: torch.compile compiles no frame under one,
-and would run the frame eagerly from then on. So it does while something holds the modules to
-their own forward (:func:`hold_eager`): the non-finite watch's forward hooks, which a compiled
-graph would be guarded on, each arming's new hooks a recompile.
+and would run the frame eagerly from then on. So it does while something holds a model's compiled
+modules to their own forward (:func:`hold_eager`): the non-finite watch's forward hooks, which
+a compiled graph would be guarded on, each arming's new hooks a recompile. A hold is on one
+model's modules: a watch left armed by a run that stopped holds no other model.
 
 With ``mode="reduce-overhead"`` (``--cuda-graphs``) the compiled code runs as CUDA graphs
 (torch's cudagraph trees): a graph is recorded for each new input shape and replayed after,
@@ -51,9 +52,6 @@ __all__ = ["compile_training_forward", "dispatch_mode_active", "hold_eager", "is
 _MARK = "_fairseq_fp16_compiled"
 #: graphs a compiled forward may have (``torch._dynamo.config.recompile_limit``; torch's is 8)
 RECOMPILE_LIMIT = 32
-#: the objects that hold compiled modules to their own forward (:func:`hold_eager`); a holder
-#: dropped without a release lets go
-_eager_holders: "weakref.WeakSet[object]" = weakref.WeakSet()
 
 
 def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool = True,
@@ -75,17 +73,20 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
             continue
         eager = module.forward
         compiled = torch.compile(eager, dynamic=dynamic, backend=backend, mode=mode)
+        # what holds this module to its own forward (hold_eager); a holder dropped lets go
+        holders: "weakref.WeakSet[object]" = weakref.WeakSet()
 
         @functools.wraps(eager)
-        def forward(*args, _eager=eager, _compiled=compiled, _module=module, **kwargs):
+        def forward(*args, _eager=eager, _compiled=compiled, _module=module, _holders=holders,
+                    **kwargs):
             if (_module.training and kwargs.get("incremental_state") is None
-                    and not _eager_holders and not dispatch_mode_active()):
+                    and not _holders and not dispatch_mode_active()):
                 return _compiled(*[_contiguous(a) for a in args],
                                  **{k: _contiguous(v) for k, v in kwargs.items()})
             return _eager(*args, **kwargs)
 
         swap_attribute(module, "forward", forward)
-        setattr(module, _MARK, True)
+        setattr(module, _MARK, holders)
         count += 1
     return count
 
@@ -100,14 +101,19 @@ def dispatch_mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
-def hold_eager(holder: object) -> None:
-    """Run compiled modules' own forward until :func:`release_eager` (``holder``: whose hold)."""
-    _eager_holders.add(holder)
+def hold_eager(holder: object, model: torch.nn.Module) -> None:
+    """Run the compiled modules in ``model`` on their own forward until :func:`release_eager`
+    (``holder``: whose hold)."""
+    for module in model.modules():
+        if is_compiled(module):
+            getattr(module, _MARK).add(holder)
 
 
-def release_eager(holder: object) -> None:
-    _eager_holders.discard(holder)
+def release_eager(holder: object, model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if is_compiled(module):
+            getattr(module, _MARK).discard(holder)
 
 
 def is_compiled(module: torch.nn.Module) -> bool:
-    return bool(getattr(module, _MARK, False))
+    return getattr(module, _MARK, None) is not None

@@ -372,7 +372,8 @@ class NonFiniteWatch:
                 for name, module in self._model.named_modules()
                 if name
             ]
-            hold_eager(self)  # compiled layers run their own forward, which fires the hooks
+            # the compiled layers run their own forward, which fires the hooks
+            hold_eager(self, self._model)
 
     def disarm(self) -> None:
         """Stop checking (hooks off); forget the finding."""
@@ -390,4 +391,5 @@ class NonFiniteWatch:
         for h in self._handles:
             h.remove()
         self._handles = []
-        release_eager(self)
+        if self._model is not None:
+            release_eager(self, self._model)

@@ -132,3 +132,25 @@ def test_an_armed_non_finite_watch_holds_compiled_layers_to_their_own_forward():
         watch.disarm()
         layer(x)
     assert len(graphs) == 1
+
+
+def test_a_watch_left_armed_holds_only_its_own_model():
+    """A run that stops on overflows leaves its watch armed, kept alive by the hooks' reference
+    cycle until the garbage collector runs: another model's compiled layers in that process
+    compile and run compiled all the same."""
+    import gc
+
+    from fairseq_fp16.core.diagnostics import NonFiniteWatch
+
+    gc.disable()  # the cycle stays, as it does between two collections
+    try:
+        stopped = Layer()
+        compile_training_forward([stopped], backend=counting_backend()[0])
+        NonFiniteWatch(stopped).arm()  # dropped armed
+        layer = Layer()
+        backend, graphs = counting_backend()
+        compile_training_forward([layer], backend=backend)
+        layer(torch.randn(4, 2, 8))
+        assert len(graphs) == 1
+    finally:
+        gc.enable()
