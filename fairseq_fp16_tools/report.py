@@ -33,7 +33,8 @@ def describe_machine(m: dict) -> str:
     units = ", ".join(f"{d} units: {'yes' if m.get(f'cpu_native_{d}') else 'no'}" for d in ("bf16", "fp16"))
     device = "the CPU" if m.get("device") == "cpu" else m.get("device")
     isa = f"torch kernels {m['cpu_capability']}; " if m.get("cpu_capability") else ""
-    return (f"{m.get('cpu')} ({m.get('cpu_cores')} cores; {isa}{units}), trained on {device}; "
+    cpu_id = f", {m['cpu_id']}" if m.get("cpu_id") else ""
+    return (f"{m.get('cpu')} ({m.get('cpu_cores')} cores{cpu_id}; {isa}{units}), trained on {device}; "
             f"torch {m.get('torch')}, fairseq {m.get('fairseq')}, Python {m.get('python')}")
 
 

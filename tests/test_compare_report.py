@@ -116,6 +116,12 @@ def test_report_warns_when_runs_ran_on_different_machines():
     avx2 = dict(cpu, cpu_capability="AVX2", cpu_native_bf16=False)  # same model name, other CPU
     assert machine_lines(runs[:1] + [{"mode": "fp32-seed2", "machine": avx2}])[0].startswith(
         "**The runs ran on different machines")
+    # two Xeons a virtual machine names alike, told apart by model and cache
+    xeons = [dict(cpu, cpu="Intel(R) Xeon(R) Processor", cpu_id=f"family 6 model {model} stepping 1, cache {kb} KB")
+             for model, kb in ((143, 307200), (167, 491520))]
+    lines = machine_lines([{"mode": "fp32", "machine": xeons[0]}, {"mode": "bf16", "machine": xeons[1]}])
+    assert lines[0].startswith("**The runs ran on different machines")
+    assert "Intel(R) Xeon(R) Processor (2 cores, family 6 model 167 stepping 1, cache 491520 KB; torch" in lines[0]
     padded = dict(runs[1], batch_lengths="padded to a multiple of 8 (--cpu-length-multiple auto)")
     fp32_padded = dict(runs[0], train_command=["fairseq-train", "--required-seq-len-multiple", "8", "--cpu"])
     assert machine_lines([runs[0], padded])[2] == (

@@ -44,6 +44,7 @@ from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer
 
 from ..provenance import describe
 from .op_census import OpCensus
+from .run_stats import machine
 
 CHUNK = 1 << 20  # parameters per tensor (a transformer has many mid-sized tensors)
 WRAPPER_BYTES_PER_PARAM = 44
@@ -269,5 +270,6 @@ def main(argv=None):
           + (f"; {fixed['torch_step_ms']:.3f} ms through torch's AdamW.step" if "torch_step_ms" in fixed else ""))
     print(json.dumps({"device": str(device), "torch": torch.__version__, "dtype": a.dtype,
                       "threads": torch.get_num_threads(), "results": rows, "fixed": fixed,
+                      "machine": machine(["--cpu"] if device.type == "cpu" else []),
                       "provenance": describe()}))
 

@@ -43,15 +43,28 @@ CLIS = {
 }
 
 
-def _cpu_name() -> str:
+def _cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def _cpu_id(info: dict):
+    """Family, model, stepping and cache of the CPU, which tell apart two CPUs that a virtual
+    machine gives the same model name ("Intel(R) Xeon(R) Processor"); None off Linux."""
+    if "model" not in info:
+        return None
+    return (f"family {info.get('cpu family')} model {info['model']} stepping {info.get('stepping')}, "
+            f"cache {info.get('cache size')}")
 
 
 def _version(*dists: str):
@@ -66,7 +79,8 @@ def _version(*dists: str):
 def machine(args) -> dict:
     """What a run's speed and memory depend on, read in the process that ran it.
 
-    ``cpu``: the CPU's model name; ``cpu_cores``: the cores this process may use;
+    ``cpu``: the CPU's model name; ``cpu_id``: its family, model, stepping and cache;
+    ``cpu_cores``: the cores this process may use;
     ``cpu_capability``: the instruction set torch picks its CPU kernels for (``AVX2``,
     ``AVX512``, ...: fp32 results differ between them in the last bits);
     ``cpu_native_bf16`` / ``cpu_native_fp16``: whether the CPU has arithmetic units for
@@ -79,8 +93,10 @@ def machine(args) -> dict:
 
     cuda = torch.cuda.is_available() and "--cpu" not in args
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = _cpuinfo()
     return {
-        "cpu": _cpu_name(),
+        "cpu": info.get("model name") or platform.processor() or platform.machine(),
+        "cpu_id": _cpu_id(info),
         "cpu_cores": cores,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_native_bf16": cpu_has_native_half(torch.bfloat16),
