@@ -82,7 +82,8 @@ def test_result_json_records_the_machine_and_the_matmul_path(compared):
     assert r32["batch_lengths"] is None
     checked = "" if m["cpu_native_fp16"] else ", checked: no product of the first training step on native kernels"
     md = (out / "report.md").read_text()
-    assert f"\n\nMachine (all runs): {m['cpu']} ({m['cpu_cores']} cores; torch kernels {m['cpu_capability']}; " in md
+    cpu_id = f", {m['cpu_id']}" if m.get("cpu_id") else ""
+    assert f"\n\nMachine (all runs): {m['cpu']} ({m['cpu_cores']} cores{cpu_id}; torch kernels {m['cpu_capability']}; " in md
     assert f"\n\nCPU half-precision matrix products: fp16: {path} (--half-matmul auto){checked}.\n" in md
     # the half run's loss is the fused one (--fused-loss auto), fp32's is fairseq's
     r2 = json.loads((out / "fp32-seed2" / "result.json").read_text())
