@@ -372,6 +372,37 @@ def cpu_profile_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     return md_table(["machine", "corpus", "mode", "wall"] + list(CPU_CLASSES), rows)
 
 
+def copies_rows(data: Sequence[dict], paths: Sequence[str], top: int = 7) -> str:
+    """A profiled bench_fairseq_train.py run: each mode's copies per update by what asked for
+    them (profile_summary's ``copies_by_asker``: the ``top`` largest in any mode, the rest
+    summed), their total, the self time of torch's fused attention kernels (from ``top_cpu_self``)
+    and the update's time, profiled and timed, one column a mode."""
+    (d,) = data
+    profiles = {m: p for m, p in (d.get("profiles") or {}).items() if p.get("copies_by_asker")}
+    by_mode = {m: {a: (n, ms) for a, n, ms in p["copies_by_asker"]} for m, p in profiles.items()}
+    largest = {}
+    for copies in by_mode.values():
+        for a, (_, ms) in copies.items():
+            largest[a] = max(largest.get(a, 0.0), ms)
+    askers = sorted(largest, key=lambda a: -largest[a])[:top]
+
+    def cell(n: float, ms: float) -> str:
+        return f"{num(ms, 0)} ({n:,.0f})"
+
+    rows = [[f"`{a}`"] + [cell(*by_mode[m][a]) if a in by_mode[m] else "-" for m in by_mode] for a in askers]
+    rows.append(["the rest"] + [cell(sum(n for a, (n, _) in c.items() if a not in askers),
+                                     sum(ms for a, (_, ms) in c.items() if a not in askers))
+                                for c in by_mode.values()])
+    rows.append(["all copies"] + [cell(sum(n for n, _ in c.values()), sum(ms for _, ms in c.values()))
+                                  for c in by_mode.values()])
+    fused = [sum(ms for _, name, _, ms in profiles[m].get("top_cpu_self") or () if "scaled_dot_product" in name)
+             for m in by_mode]
+    rows.append(["torch's fused attention kernels themselves (not copies)"] + [num(f, 0) if f else "-" for f in fused])
+    rows.append(["the update, profiled"] + [num(profiles[m]["wall_ms"], 0) for m in by_mode])
+    rows.append(["the update, timed"] + [num(d["ms_per_update"][m], 0) for m in by_mode])
+    return md_table(["copies asked by: ms per update (copies)"] + [f"`{m}`" for m in by_mode], rows)
+
+
 def product_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/bench_half_matmul.py --products on each machine: TFLOP/s per kernel choice and
     shape."""
@@ -746,6 +777,10 @@ TABLES: Dict[str, Table] = {
                             f"scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,fp32,bf16,bf16-unpadded,"
                             f"bf16-buckets --updates 600 --warmup 20 --model \"{DEMO_BENCH_MODEL}\"", shape_rows,
                             provenance=True),
+    "cpu-copies": Table((f"{BENCH}/amx-xeon/cpu_copies/short.json",),
+                        "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,bf16,bf16-torch-attn "
+                        "--updates 10 --warmup 5 --repeats 2 --profile-dir DIR --model \"--arch transformer "
+                        "--share-all-embeddings --max-tokens 4096\"", copies_rows, provenance=True),
     "dropout": Table((f"{BENCH}/avx512-epyc/dropout.json",), "python scripts/bench_dropout.py",
                      dropout_rows, provenance=True),
     "cpu-loss": Table((f"{BENCH}/amx-xeon/fused_loss.json",), "python scripts/bench_fused_loss.py",

@@ -174,3 +174,18 @@ def test_a_benchmark_table_without_a_recorded_commit_says_so(tmp_path):
     for name, version in torch.items():
         first = render_docs.render_table(name, ROOT, TABLES).splitlines()[0]
         assert first.endswith(f"Measured at commit unknown (torch {version}, CUDA unknown): the rows may be stale.*")
+
+
+def test_copies_table_keeps_the_largest_askers_of_any_mode_and_sums_the_rest():
+    profile_a = {"copies_by_asker": [["x", 2, 10.0], ["y", 1, 1.0], ["z", 3, 1.5]], "wall_ms": 120.0,
+                 "top_cpu_self": [["products", "aten::mm", 5, 50.0]]}
+    profile_b = {"copies_by_asker": [["y", 4, 20.0]], "wall_ms": 230.0,
+                 "top_cpu_self": [["products", "aten::_scaled_dot_product_flash_attention_for_cpu", 12, 7.0],
+                                  ["products", "aten::_scaled_dot_product_flash_attention_for_cpu_backward", 12, 9.0]]}
+    data = {"ms_per_update": {"a": 100.0, "b": 200.0}, "profiles": {"a": profile_a, "b": profile_b}}
+    lines = render_docs.copies_rows([data], ["short.json"], top=2).splitlines()
+    assert lines[0] == "| copies asked by: ms per update (copies) | `a` | `b` |"
+    assert lines[2:] == ["| `y` | 1 (1) | 20 (4) |", "| `x` | 10 (2) | - |", "| the rest | 2 (3) | 0 (0) |",
+                         "| all copies | 12 (6) | 20 (4) |",
+                         "| torch's fused attention kernels themselves (not copies) | - | 16 |",
+                         "| the update, profiled | 120 | 230 |", "| the update, timed | 100 | 200 |"]

@@ -108,6 +108,7 @@ MODES = {
     "fp16-loss-compiled": ["--fp16", "--fused-loss", "compiled"],  # eager layers, compiled loss
     # the GPU's A/B: attention path, compiled layers, batch-loading processes
     "fp16-fairseq-attn": ["--fp16", "--attention-path", "fairseq"],
+    "bf16-torch-attn": ["--bf16", "--attention-path", "torch"],  # the CPU's: torch's attention
     "fp16-compiled": ["--fp16", "--compile-layers"],
     "bf16-compiled": ["--bf16", "--compile-layers"],
     "fp16-workers4": ["--fp16", "--num-workers", "4"],
