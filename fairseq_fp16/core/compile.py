@@ -7,7 +7,8 @@ launches, which is what bounds a half-precision update on a fast GPU.
 
 Only the training forward is compiled: a call in eval mode, or with an ``incremental_state``
 (fairseq's step-by-step decoding), runs the module's own forward, so generation and
-validation behave exactly as without compilation.
+validation behave exactly as without compilation. A deep copy of a wrapped module (fairseq's
+EMA copies the model) is wrapped anew, around the copy's own forward and weights.
 
 The compiled forward gets its tensor arguments contiguous. Compiled code is specialised on its
 inputs' strides, and a transformer's layers see different ones: the first encoder layer gets
@@ -38,6 +39,7 @@ compiled once for all shapes; the graphs are per shape, so they need batches of 
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from typing import Iterable, Optional
@@ -69,26 +71,47 @@ def compile_training_forward(modules: Iterable[torch.nn.Module], dynamic: bool =
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     count = 0
     for module in modules:
-        if is_compiled(module):
-            continue
-        eager = module.forward
-        compiled = torch.compile(eager, dynamic=dynamic, backend=backend, mode=mode)
-        # what holds this module to its own forward (hold_eager); a holder dropped lets go
-        holders: "weakref.WeakSet[object]" = weakref.WeakSet()
-
-        @functools.wraps(eager)
-        def forward(*args, _eager=eager, _compiled=compiled, _module=module, _holders=holders,
-                    **kwargs):
-            if (_module.training and kwargs.get("incremental_state") is None
-                    and not _holders and not dispatch_mode_active()):
-                return _compiled(*[_contiguous(a) for a in args],
-                                 **{k: _contiguous(v) for k, v in kwargs.items()})
-            return _eager(*args, **kwargs)
-
-        swap_attribute(module, "forward", forward)
-        setattr(module, _MARK, holders)
-        count += 1
+        if not is_compiled(module):
+            _wrap(module, (dynamic, backend, mode))
+            count += 1
     return count
+
+
+def _wrap(module: torch.nn.Module, options: tuple) -> None:
+    dynamic, backend, mode = options
+    before = vars(module).get("forward")  # an instance's own forward (fairseq's checkpoint wrapper)
+    eager = module.forward
+    compiled = torch.compile(eager, dynamic=dynamic, backend=backend, mode=mode)
+    # what holds this module to its own forward (hold_eager); a holder dropped lets go
+    holders: "weakref.WeakSet[object]" = weakref.WeakSet()
+
+    @functools.wraps(eager)
+    def forward(*args, _eager=eager, _compiled=compiled, _module=module, _holders=holders, **kwargs):
+        if (_module.training and kwargs.get("incremental_state") is None
+                and not _holders and not dispatch_mode_active()):
+            return _compiled(*[_contiguous(a) for a in args],
+                             **{k: _contiguous(v) for k, v in kwargs.items()})
+        return _eager(*args, **kwargs)
+
+    swap_attribute(module, "forward", forward)
+    setattr(module, _MARK, holders)
+    # a deep copy (fairseq's EMA copies the model) is wrapped anew: this wrapper runs this module
+    module.__deepcopy__ = functools.partial(_deepcopy, module, before, options)
+
+
+def _deepcopy(module: torch.nn.Module, before, options: tuple, memo: dict) -> torch.nn.Module:
+    """``copy.deepcopy`` of a wrapped module: the module as it was before the wrap, copied, then
+    the copy wrapped around its own forward, with no holds."""
+    own = {name: vars(module).pop(name) for name in ("forward", _MARK, "__deepcopy__")}
+    if before is not None:
+        module.forward = before
+    try:
+        twin = copy.deepcopy(module, memo)
+    finally:
+        vars(module).pop("forward", None)
+        vars(module).update(own)
+    _wrap(twin, options)
+    return twin
 
 
 def _contiguous(x):

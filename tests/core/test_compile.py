@@ -3,7 +3,7 @@ module's results."""
 
 import torch
 
-from fairseq_fp16.core.compile import compile_training_forward, is_compiled
+from fairseq_fp16.core.compile import compile_training_forward, hold_eager, is_compiled
 
 
 class Layer(torch.nn.Module):
@@ -154,3 +154,30 @@ def test_a_watch_left_armed_holds_only_its_own_model():
         assert len(graphs) == 1
     finally:
         gc.enable()
+
+
+def test_a_deep_copy_runs_its_own_weights_compiled_and_eagerly():
+    # fairseq's EMA deep-copies the model: the copy's layers must compute with the copy's weights
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Layer(), Layer())
+    backend, graphs = counting_backend()
+    compile_training_forward(list(model), backend=backend)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    reference = torch.nn.Sequential(Layer(), Layer())
+    reference.load_state_dict(twin.state_dict())
+    x = torch.randn(5, 3, 8)
+    assert all(is_compiled(m) for m in twin) and all(is_compiled(m) for m in model)
+    for mode in (True, False):  # training: compiled; eval: the module's own forward
+        twin.train(mode), reference.train(mode), model.train(mode)
+        torch.testing.assert_close(twin(x), reference(x), rtol=0, atol=0)
+        assert not torch.equal(model(x), twin(x))
+    assert len(graphs) >= 1
+    holder = Layer()  # what holds the copy: the original's layers stay free of it
+    hold_eager(holder, twin)
+    assert all(len(m._fairseq_fp16_compiled) == 1 for m in twin)
+    assert all(len(m._fairseq_fp16_compiled) == 0 for m in model)
