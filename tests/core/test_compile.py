@@ -1,6 +1,7 @@
 """compile_training_forward: the compiled forward serves training calls only, with the eager
 module's results."""
 
+import pytest
 import torch
 
 from fairseq_fp16.core.compile import compile_training_forward, hold_eager, is_compiled
@@ -156,12 +157,16 @@ def test_a_watch_left_armed_holds_only_its_own_model():
         gc.enable()
 
 
-def test_a_deep_copy_runs_its_own_weights_compiled_and_eagerly():
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_deep_copy_runs_its_own_weights_compiled_and_eagerly(checkpointed):
     # fairseq's EMA deep-copies the model: the copy's layers must compute with the copy's weights
+    # (checkpointed: --checkpoint-activations gives each layer an instance forward of its own)
     import copy
 
+    from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Layer(), Layer())
+    model = torch.nn.Sequential(*(checkpoint_wrapper(Layer()) if checkpointed else Layer() for _ in range(2)))
     backend, graphs = counting_backend()
     compile_training_forward(list(model), backend=backend)
     twin = copy.deepcopy(model)
