@@ -42,8 +42,8 @@ RESULTS = "examples/translation/results"
 BENCH = "benchmarks"
 DEMO = "python scripts/demo.py"
 #: the machines' names in tables, by folder name
-MACHINES = {"avx512-epyc": "AVX512-BF16 EPYC", "amx-xeon": "AMX Xeon", "avx2-epyc": "AVX2 EPYC",
-            "h200": "H200"}
+MACHINES = {"avx512-epyc": "AVX512-BF16 EPYC", "amx-xeon": "AMX Xeon", "amx-xeon-480": "AMX Xeon (480 MiB L3)",
+            "avx2-epyc": "AVX2 EPYC", "h200": "H200"}
 #: report.py's verdict keys, shortened for tables ({m}: the margin)
 VERDICTS = {
     "equivalent": "**within ±{m}**",
@@ -409,9 +409,16 @@ def product_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     shapes = list(dict.fromkeys(s for d in data for v in d["tflops"].values() for s in v))
     ffn = "4096x2048x512"
     rows = [[machine_of(path), name] + [num(v.get(s), 3) for s in shapes]
-            + [ratio(v[ffn] / d["tflops"]["fp32"][ffn])]
+            + [ratio(v[ffn] / d["tflops"]["fp32"][ffn]) if ffn in v else "-"]
             for d, path in zip(data, paths) for name, v in d["tflops"].items()]
     return md_table(["machine", "kernel"] + [f"{s}, TFLOP/s" for s in shapes] + [f"x fp32 ({ffn})"], rows)
+
+
+def weight_gradient_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """:func:`product_rows` of fp32's and native bf16's kernels only."""
+    kept = [{**d, "tflops": {k: v for k, v in d["tflops"].items() if k == "fp32" or k.startswith("bf16 native")}}
+            for d in data]
+    return product_rows(kept, paths)
 
 
 def dropout_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
@@ -777,10 +784,13 @@ TABLES: Dict[str, Table] = {
                             f"scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,fp32,bf16,bf16-unpadded,"
                             f"bf16-buckets --updates 600 --warmup 20 --model \"{DEMO_BENCH_MODEL}\"", shape_rows,
                             provenance=True),
-    "cpu-copies": Table((f"{BENCH}/amx-xeon/cpu_copies/short.json",),
+    "cpu-copies": Table((f"{BENCH}/amx-xeon-480/cpu_copies/short.json",),
                         "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,bf16,bf16-torch-attn "
                         "--updates 10 --warmup 5 --repeats 2 --profile-dir DIR --model \"--arch transformer "
                         "--share-all-embeddings --max-tokens 4096\"", copies_rows, provenance=True),
+    "weight-gradients": Table((f"{BENCH}/amx-xeon-480/products.json",),
+                              "python scripts/bench_half_matmul.py --products --steps 10",
+                              weight_gradient_rows, provenance=True),
     "dropout": Table((f"{BENCH}/avx512-epyc/dropout.json",), "python scripts/bench_dropout.py",
                      dropout_rows, provenance=True),
     "cpu-loss": Table((f"{BENCH}/amx-xeon/fused_loss.json",), "python scripts/bench_fused_loss.py",

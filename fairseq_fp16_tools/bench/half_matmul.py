@@ -21,10 +21,11 @@ slow: it runs --slow-steps steps per round only.
 
 ``--products`` times the matrix products alone instead (a transformer base layer's at 4,096
 tokens: the projections 4096x512 by 512x512, FFN 4096x512 by 512x2048 and 4096x2048 by
-2048x512, and a projection's weight gradient, 512x4096 (transposed) by 4096x512), in TFLOP/s
-per kernel choice: fp32, native bf16 and fp16, and fp32 accumulation
-(the half operands upcast, an fp32 product, the result rounded to half), with the ``machine``
-and the ``provenance`` in the JSON.
+2048x512, and the weight gradients of those three, out x 4096 (transposed) by 4096 x in), in
+TFLOP/s per kernel choice: fp32, native bf16 and fp16, fp32 accumulation (the half operands
+upcast, an fp32 product, the result rounded to half), and for the weight gradients native bf16
+with the narrower operand copied row-major first, with the ``machine`` and the ``provenance``
+in the JSON.
 """
 
 import argparse
@@ -137,27 +138,39 @@ def time_steps(model, x, steps, accumulate):
 
 #: (m, k, n) of transformer base's products at 4,096 tokens
 PRODUCT_SHAPES = ((4096, 512, 512), (4096, 512, 2048), (4096, 2048, 512))
-#: and a projection's weight gradient: the tokens are the sum, the left operand the output
-#: gradient transposed (a view of a row-major 4096 x 512 tensor), as a linear layer's backward
-#: pass multiplies them
-WEIGHT_GRADIENT = (512, 4096, 512)
+#: and the weight gradients of a projection and of the FFN's two layers: the tokens are the sum,
+#: the left operand the output gradient transposed (a view of a row-major 4096 x out tensor), as
+#: a linear layer's backward pass multiplies them
+WEIGHT_GRADIENTS = ((512, 4096, 512), (2048, 4096, 512), (512, 4096, 2048))
+
+
+def narrow_side_first(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for a weight gradient (``a`` a transposed view): the narrower operand copied
+    row-major first, the product then of two row-major operands (of the transposes, where
+    ``b`` is the narrower: ``(b^T a^T)^T``)."""
+    if a.shape[0] > b.shape[1]:
+        return (b.t().contiguous() @ a.t()).t()
+    return a.contiguous() @ b
 
 
 def product_throughput(repeats: int) -> dict:
-    """TFLOP/s of each kernel choice on :data:`PRODUCT_SHAPES` (medians of ``repeats``)."""
+    """TFLOP/s of each kernel choice on :data:`PRODUCT_SHAPES` and :data:`WEIGHT_GRADIENTS`
+    (medians of ``repeats``); ``bf16 native, narrow side first`` on the weight gradients only."""
+    both = PRODUCT_SHAPES + WEIGHT_GRADIENTS
     choices = {
-        "fp32": (torch.float32, lambda a, b: a @ b),
-        "bf16 native": (torch.bfloat16, lambda a, b: a @ b),
-        "bf16 fp32-accumulate": (torch.bfloat16, lambda a, b: (a.float() @ b.float()).to(a.dtype)),
-        "fp16 native": (torch.float16, lambda a, b: a @ b),
-        "fp16 fp32-accumulate": (torch.float16, lambda a, b: (a.float() @ b.float()).to(a.dtype)),
+        "fp32": (torch.float32, lambda a, b: a @ b, both),
+        "bf16 native": (torch.bfloat16, lambda a, b: a @ b, both),
+        "bf16 native, narrow side first": (torch.bfloat16, narrow_side_first, WEIGHT_GRADIENTS),
+        "bf16 fp32-accumulate": (torch.bfloat16, lambda a, b: (a.float() @ b.float()).to(a.dtype), both),
+        "fp16 native": (torch.float16, lambda a, b: a @ b, both),
+        "fp16 fp32-accumulate": (torch.float16, lambda a, b: (a.float() @ b.float()).to(a.dtype), both),
     }
     out = {}
-    for name, (dtype, product) in choices.items():
+    for name, (dtype, product, shapes) in choices.items():
         slow = "native" in name and not cpu_has_native_half(dtype)
         rows = {}
-        for m, k, n in PRODUCT_SHAPES + (WEIGHT_GRADIENT,):
-            wgrad = (m, k, n) == WEIGHT_GRADIENT
+        for m, k, n in shapes:
+            wgrad = (m, k, n) in WEIGHT_GRADIENTS
             a = torch.randn(k, m).to(dtype).t() if wgrad else torch.randn(m, k).to(dtype)
             b = torch.randn(k, n).to(dtype)
             product(a, b)  # warm-up (oneDNN builds its kernel)
