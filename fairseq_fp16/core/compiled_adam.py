@@ -38,15 +38,19 @@ SMALL = 1 << 14
 GROUP = 4
 
 
-def _adamw_update(master, grad, exp_avg, exp_avg_sq, hyper, corrections, inv_scale, found_inf, half):
+def _adamw_update(master, grad, exp_avg, exp_avg_sq, step, hyper, inv_scale, found_inf, half):
     """One tensor's AdamW update in one loop: ``grad`` (the half parameter's) times
     ``inv_scale``; ``master``, the moments and ``half`` (the model's half copy) written in
-    place; nothing changed where ``found_inf`` is set. ``hyper``: lr, beta1, beta2,
-    weight decay and eps; ``corrections``: the step size ``lr / (1 - beta1 ** step)`` and
-    ``sqrt(1 - beta2 ** step)``; tensors, so that a new learning rate or step compiles
-    nothing."""
-    lr, beta1, beta2, decay, eps = hyper.unbind()
-    step_size, root_correction2 = corrections.unbind()
+    place; ``step`` (torch's count) one more. Nothing changes where ``found_inf`` is set.
+    ``hyper``: lr, beta1, beta2, weight decay and eps in float64, a tensor, so that a new
+    learning rate compiles nothing; the bias corrections are taken in float64 from the new
+    count, as torch's fused kernel takes them."""
+    count = step + 1
+    lr64, beta1_64, beta2_64 = hyper[0], hyper[1], hyper[2]
+    # stacked: a buffer of two, which inductor computes once, not in each element's loop
+    step_size, root_correction2 = torch.stack([lr64 / (1 - beta1_64 ** count.double()),
+                                               (1 - beta2_64 ** count.double()).sqrt()]).float().unbind()
+    lr, beta1, beta2, decay, eps = hyper.float().unbind()
     g = grad.float() * inv_scale
     m = exp_avg + (g - exp_avg) * (1 - beta1)
     v = exp_avg_sq * beta2 + g * g * (1 - beta2)
@@ -57,6 +61,7 @@ def _adamw_update(master, grad, exp_avg, exp_avg_sq, hyper, corrections, inv_sca
     p = torch.where(skip, master, p)
     master.copy_(p)
     half.copy_(p)
+    step.copy_(count - found_inf)
 
 
 def _sum_of_squares(grad):
@@ -64,14 +69,12 @@ def _sum_of_squares(grad):
     return (g * g).sum()
 
 
-def _adamw_update_group(masters, grads, exp_avgs, exp_avg_sqs, halves, hyper, corrections,
-                        inv_scale, found_inf):
-    """:func:`_adamw_update` on :data:`GROUP` tensors of one size in one call; row ``i`` of
-    ``corrections`` is tensor ``i``'s."""
-    for i, (master, grad, exp_avg, exp_avg_sq, half) in enumerate(
-            zip(masters, grads, exp_avgs, exp_avg_sqs, halves)):
-        _adamw_update(master, grad, exp_avg, exp_avg_sq, hyper, corrections[i], inv_scale,
-                      found_inf, half)
+def _adamw_update_group(masters, grads, exp_avgs, exp_avg_sqs, steps, halves, hyper, inv_scale,
+                        found_inf):
+    """:func:`_adamw_update` on :data:`GROUP` tensors of one size in one call."""
+    for master, grad, exp_avg, exp_avg_sq, step, half in zip(
+            masters, grads, exp_avgs, exp_avg_sqs, steps, halves):
+        _adamw_update(master, grad, exp_avg, exp_avg_sq, step, hyper, inv_scale, found_inf, half)
 
 
 def _sum_of_squares_group(grads):
@@ -94,15 +97,13 @@ def _batches(rows: List[Tuple[torch.Tensor, ...]]) -> Tuple[List[List[int]], Lis
 
 class _Group:
     """One param group's tensors: the large half parameters' rows (flat master, gradient
-    source, flat moments, flat half copy) with their step counts, and the rest (fp32 islands
+    source, flat moments, flat half copy, step count), and the rest (fp32 islands
     and small tensors) as the lists torch's fused kernel takes."""
 
     def __init__(self) -> None:
         self.rows: List[Tuple[torch.Tensor, ...]] = []
         self.batches: List[List[int]] = []  # rows stepped GROUP to a call (_batches)
-        self.batch_index: List[torch.Tensor] = []  # each batch's rows, to index the corrections
         self.singles: List[int] = []
-        self.row_steps: List[torch.Tensor] = []
         self.masters: List[torch.Tensor] = []
         self.sources: List[torch.Tensor] = []  # whose .grad each master takes (itself: fp32)
         self.exp_avgs: List[torch.Tensor] = []
@@ -164,8 +165,7 @@ class CompiledMixedAdamW:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         device = params[0].device
         one, zero = torch.ones((), device=device), torch.zeros((), device=device)
-        hyper = torch.tensor([1e-3, 0.9, 0.999, 0.0, 1e-8], device=device)
-        corrections = torch.ones(2, device=device)
+        hyper = torch.tensor([1e-3, 0.9, 0.999, 0.0, 1e-8], dtype=torch.float64, device=device)
         for dtype in sorted({h.dtype for h in self._halves.values()}, key=str):
             def fp32():
                 return [torch.zeros(WARM_UP_NUMEL, device=device) for _ in range(GROUP)]
@@ -177,10 +177,11 @@ class CompiledMixedAdamW:
             self._squares(grads[0])
             self._squares_group(grads)
             with torch.no_grad():  # as step() calls them: grad mode is in the graphs' guards
-                self._update(masters[0], grads[0], exp_avgs[0], exp_avg_sqs[0], hyper, corrections,
+                steps = [torch.zeros((), device=device) for _ in range(GROUP)]
+                self._update(masters[0], grads[0], exp_avgs[0], exp_avg_sqs[0], steps[0], hyper,
                              one, zero, halves[0])
-                self._update_group(masters, grads, exp_avgs, exp_avg_sqs, halves, hyper,
-                                   corrections.repeat(GROUP, 1), one, zero)
+                self._update_group(masters, grads, exp_avgs, exp_avg_sqs, steps, halves, hyper,
+                                   one, zero)
 
     def _current_key(self) -> Tuple:
         opt = self.optimizer
@@ -204,8 +205,7 @@ class CompiledMixedAdamW:
                     if not all(t.is_contiguous() for t in tensors):
                         return False
                     flat = [t.detach().view(-1) for t in tensors]
-                    g.rows.append((flat[0], half, flat[1], flat[2], flat[3]))
-                    g.row_steps.append(st["step"])
+                    g.rows.append((flat[0], half, flat[1], flat[2], flat[3], st["step"]))
                     continue
                 g.masters.append(p)
                 g.sources.append(p if half is None else half)
@@ -215,8 +215,6 @@ class CompiledMixedAdamW:
                 if half is not None:
                     g.halves.append((half, p))
             g.batches, g.singles = _batches(g.rows)
-            g.batch_index = [torch.tensor(b, device=opt.param_groups[0]["params"][0].device)
-                             for b in g.batches]
             groups.append(g)
         self._groups = groups
         return True
@@ -259,21 +257,16 @@ class CompiledMixedAdamW:
                 lr, (beta1, beta2) = group["lr"], group["betas"]
                 if g.rows:
                     hyper = torch.tensor([lr, beta1, beta2, group["weight_decay"], group["eps"]],
-                                         dtype=torch.float32, device=inv_scale.device)
-                    torch._foreach_add_(g.row_steps, 1)
-                    counts = torch.stack(g.row_steps).to(inv_scale.device, torch.float64)
-                    corrections = torch.stack([lr / (1 - beta1 ** counts), (1 - beta2 ** counts).sqrt()], 1)
-                    corrections = corrections.float()
-                    for batch, index in zip(g.batches, g.batch_index):
+                                         dtype=torch.float64, device=inv_scale.device)
+                    for batch in g.batches:
                         rows = [g.rows[i] for i in batch]
                         self._update_group([r[0] for r in rows], [r[1].grad.reshape(-1) for r in rows],
-                                           [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows],
-                                           hyper, corrections[index], inv_scale, found_inf)
+                                           [r[2] for r in rows], [r[3] for r in rows], [r[5] for r in rows],
+                                           [r[4] for r in rows], hyper, inv_scale, found_inf)
                     for i in g.singles:
-                        master, source, exp_avg, exp_avg_sq, half = g.rows[i]
-                        self._update(master, source.grad.reshape(-1), exp_avg, exp_avg_sq, hyper,
-                                     corrections[i], inv_scale, found_inf, half)
-                    torch._foreach_sub_(g.row_steps, [found_inf] * len(g.row_steps))
+                        master, source, exp_avg, exp_avg_sq, half, step = g.rows[i]
+                        self._update(master, source.grad.reshape(-1), exp_avg, exp_avg_sq, step, hyper,
+                                     inv_scale, found_inf, half)
                 if g.masters:
                     torch._foreach_add_(g.steps, 1)
                     torch._fused_adamw_(g.masters, g.grads(), g.exp_avgs, g.exp_avg_sqs, [], g.steps,
