@@ -43,6 +43,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from .batching import BucketedBatching
 from .core.buckets import parse_length_buckets
 from .core.compile import compile_training_forward
+from .core.cpu_linear import bias_in_product
 from .core.divergence import forward_divergence, summarize_divergence
 from .core.dropout import AUTO_MIN_NUMEL, counter_dropout_available
 from .core.fp32_islands import apply_fp32_islands
@@ -136,6 +137,11 @@ def prepare_model(task, model):
     if attentions:
         logger.info("attention: %s (--attention-path %s)", "fairseq's own, softmax in fp32"
                     if path == "fairseq" else "torch's fused multi_head_attention_forward", choice)
+    if precision.is_half and precision.on_cpu and not state.fp32_accumulate:
+        fused = bias_in_product(model, precision.dtype)
+        if fused:
+            logger.info("CPU linear layers: the bias added inside oneDNN's %s product in %d layers "
+                        "(F.linear's bits, one pass less)", precision.name, fused)
     state.context.record.record(attention=path if attentions else None,
                                 compile_layers=bool(flags.compile_layers),
                                 cpu_dropout=cpu_dropout_masks(task, model))
