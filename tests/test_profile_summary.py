@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY_MODEL, TRAIN, USER_DIR
-from fairseq_fp16_tools.bench.profile_summary import classify, cpu_table, summarize_trace, table
+from fairseq_fp16_tools.bench.profile_summary import classify, cpu_class, cpu_table, summarize_trace, table
 
 
 def ev(cat, name, ts, dur):
@@ -119,6 +119,15 @@ def test_a_cpu_trace_is_broken_down_by_the_operators_self_time():
     assert out["products_frac"] == 0.2
     assert out["top_cpu_self"][0] == ["products", "aten::addmm", 1.0, 0.4]
     assert "framework" in cpu_table({"bf16": out}) and "20%" in cpu_table({"bf16": out})
+
+
+@pytest.mark.parametrize("name, ranges, label", [
+    ("mkldnn::_linear_pointwise", [], "products"),  # the CPU half linear layers (cpu_linear)
+    ("aten::addmm", [], "products"),
+    ("aten::add", ["optimizer"], "step"),
+])
+def test_cpu_classes(name, ranges, label):
+    assert cpu_class(name, ranges) == label
 
 
 def test_the_copies_are_attributed_to_what_asked_for_them():

@@ -57,7 +57,8 @@ LOSS = re.compile(r"log_softmax|logsoftmax|nll_loss|nllloss|cross_entropy|_cache
                   r"_streamchunks|_compiledchunks")
 DROPOUT = re.compile(r"bernoulli|dropout")
 PRODUCTS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|mv|addmv|dot|convolution|"
-                      r"_convolution|mkldnn_\w+|_scaled_dot_product\w*|conv_tbc\w*)$")
+                      r"_convolution|mkldnn_\w+|_scaled_dot_product\w*|conv_tbc\w*)$"
+                      r"|^mkldnn::_linear_pointwise$")  # oneDNN's linear (the CPU half layers' bias)
 COPIES = re.compile(r"^aten::(copy_|_to_copy|clone|contiguous|cat|stack|_foreach_copy_|"
                     r"index_select|embedding\w*|fill_|zero_|_unsafe_view)$")
 #: operators that only pass a copy on to the one that asked for it (:func:`cpu_breakdown`)
