@@ -6,7 +6,8 @@ For each size and dtype (fp32, bf16), in one process: the median time of a train
 dropout (p = 0.1) forward and of a forward and backward, through ``F.dropout`` (torch's
 ``bernoulli_`` mask) and :func:`fairseq_fp16.core.dropout.counter_dropout`, and of a plain
 elementwise multiplication (``x * x``: one read and one write pass, the floor of any dropout),
-with their ratios. Prints a table and, as its last line, one JSON object with the ``machine``
+with their ratios. The counter-based kernel is compiled first by the availability check, as in a
+training run. Prints a table and, as its last line, one JSON object with the ``machine``
 and the ``provenance`` of the code and software measured (fairseq_fp16_tools/provenance.py).
 """
 
@@ -16,7 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from fairseq_fp16.core.dropout import counter_dropout
+from fairseq_fp16.core.dropout import counter_dropout, counter_dropout_available
 
 from ..provenance import describe
 from .run_stats import machine
@@ -62,6 +63,9 @@ def main(argv=None) -> int:
     sizes = [int(float(s)) for s in a.sizes.split(",") if s]
     if not sizes or min(sizes) < 1 or a.repeats < 1:
         ap.error("--sizes needs element counts >= 1 and --repeats a count >= 1")
+    # as a training run does: the kernel is first compiled by the availability check
+    if not all(counter_dropout_available(dtype) for dtype in DTYPES.values()):
+        raise SystemExit("torch.compile cannot build the counter-based mask here (logged above)")
     results = {name: [bench(n, dtype, a.repeats) for n in sizes] for name, dtype in DTYPES.items()}
     print(f"{'dtype':5} {'elements':>10} {'torch fwd':>10} {'counter':>9} {'x':>6} {'torch f+b':>10} "
           f"{'counter':>9} {'x':>6} {'mul':>8}  (ms)")

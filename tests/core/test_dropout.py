@@ -129,3 +129,18 @@ def test_bad_probabilities_are_refused_and_zero_is_the_identity():
     for p in (1.0, -0.1):
         with pytest.raises(ValueError, match=rf"dropout probability must be in \[0, 1\), got {p}"):
             counter_dropout(x, p)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: nothing to spread over")
+def test_the_kernel_the_availability_check_compiles_runs_on_every_thread(monkeypatch):
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    # the check compiles the kernel on tensors too small for inductor to parallelise by their
+    # size; the kernel then serves every size
+    monkeypatch.setattr(dropout, "_AVAILABLE", {})
+    dropout._compiled.cache_clear()
+    with config.patch(force_disable_caches=True):
+        available, code = run_and_get_code(counter_dropout_available, torch.bfloat16)
+    assert available and code
+    assert all("#pragma omp parallel" in c for c in code)
