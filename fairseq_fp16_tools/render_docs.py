@@ -778,11 +778,12 @@ TABLES: Dict[str, Table] = {
                       f"[,bf16-cache,bf16-compile-step] --updates 100 --warmup 20 --profile-dir DIR "
                       f"--model \"{DEMO_BENCH_MODEL}\"", cpu_goal_rows,
                       provenance=True),
-    "cpu-shapes-amx": Table(tuple(f"{BENCH}/amx-xeon/cpu_goal/shapes_{n}.json" for n in ("short", "demo")),
-                            "python scripts/bench_fairseq_train.py --modes fp32-stock,amp,bf16,bf16-unpadded,"
-                            "bf16-buckets --updates 10 --warmup 5 --model \"--arch transformer "
+    "cpu-shapes-amx": Table(tuple(f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_goal/shapes_{n}.json"
+                                  for n in ("short", "long", "demo")),
+                            "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,bf16,bf16-unpadded,"
+                            "bf16-buckets --updates 10 --warmup 5 --repeats 2 --model \"--arch transformer "
                             "--share-all-embeddings --max-tokens 4096\"; the demo's: python "
-                            f"scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,fp32,bf16,bf16-unpadded,"
+                            f"scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,bf16,bf16-unpadded,"
                             f"bf16-buckets --updates 600 --warmup 20 --model \"{DEMO_BENCH_MODEL}\"", shape_rows,
                             provenance=True),
     "cpu-copies": Table((f"{BENCH}/amx-xeon-480/cpu_copies/short.json",),
@@ -792,7 +793,7 @@ TABLES: Dict[str, Table] = {
     "weight-gradients": Table((f"{BENCH}/amx-xeon-480/products.json",),
                               "python scripts/bench_half_matmul.py --products --steps 10",
                               weight_gradient_rows, provenance=True),
-    "dropout": Table((f"{BENCH}/avx512-epyc/dropout.json",), "python scripts/bench_dropout.py",
+    "dropout": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/dropout.json",), "python scripts/bench_dropout.py",
                      dropout_rows, provenance=True),
     "cpu-loss": Table((f"{BENCH}/amx-xeon/fused_loss.json",), "python scripts/bench_fused_loss.py",
                       fused_loss_rows, provenance=True),
