@@ -784,13 +784,13 @@ TABLES: Dict[str, Table] = {
                             "bf16-buckets --updates 10 --warmup 5 --repeats 2 --model \"--arch transformer "
                             "--share-all-embeddings --max-tokens 4096\"; the demo's: python "
                             f"scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,bf16,bf16-unpadded,"
-                            f"bf16-buckets --updates 600 --warmup 20 --model \"{DEMO_BENCH_MODEL}\"", shape_rows,
+                            f"bf16-buckets --updates 600 --warmup 20 --repeats 1 --model \"{DEMO_BENCH_MODEL}\"", shape_rows,
                             provenance=True),
-    "cpu-copies": Table((f"{BENCH}/amx-xeon-480/cpu_copies/short.json",),
+    "cpu-copies": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_copies/short.json",),
                         "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,bf16,bf16-torch-attn "
                         "--updates 10 --warmup 5 --repeats 2 --profile-dir DIR --model \"--arch transformer "
                         "--share-all-embeddings --max-tokens 4096\"", copies_rows, provenance=True),
-    "weight-gradients": Table((f"{BENCH}/amx-xeon-480/products.json",),
+    "weight-gradients": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/products.json",),
                               "python scripts/bench_half_matmul.py --products --steps 10",
                               weight_gradient_rows, provenance=True),
     "dropout": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/dropout.json",), "python scripts/bench_dropout.py",
