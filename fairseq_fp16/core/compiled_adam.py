@@ -24,6 +24,7 @@ import torch
 from torch.optim import optimizer as optim_hooks
 
 from .adam import FusedAdamWLists, copy_half_grads
+from .compile import compile_dynamic
 
 __all__ = ["CompiledMixedAdamW"]
 
@@ -150,10 +151,10 @@ class CompiledMixedAdamW:
         self._halves = halves
         self._key: Tuple = ()
         self._groups: List[_Group] = []
-        self._update = torch.compile(_adamw_update, dynamic=True)
-        self._squares = torch.compile(_sum_of_squares, dynamic=True)
-        self._update_group = torch.compile(_adamw_update_group, dynamic=True)
-        self._squares_group = torch.compile(_sum_of_squares_group, dynamic=True)
+        self._update = compile_dynamic(_adamw_update)
+        self._squares = compile_dynamic(_sum_of_squares)
+        self._update_group = compile_dynamic(_adamw_update_group)
+        self._squares_group = compile_dynamic(_sum_of_squares_group)
         try:
             self._warm_up()
         except Exception as e:  # no C++ compiler, no triton: the run must not start

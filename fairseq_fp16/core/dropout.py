@@ -39,7 +39,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .compile import dispatch_mode_active
+from .compile import compile_dynamic, dispatch_mode_active
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,7 @@ def _masked(x: torch.Tensor, seed: torch.Tensor, threshold: torch.Tensor,
 
 @functools.lru_cache(maxsize=None)
 def _compiled():
-    # inductor decides whether a CPU loop runs on all threads from the size it first compiles
-    # for and keeps that code for every size: compiled by the availability check's small
-    # tensors, the kernel ran on one core at every size (2M bf16 elements: 1.14 ms a call, 0.79
-    # on two cores). Dynamic threads put every call's loop on the threads torch runs with.
-    return torch.compile(_masked, dynamic=True, options={"cpp.dynamic_threads": True})
+    return compile_dynamic(_masked)
 
 
 def _apply(x: torch.Tensor, seed, threshold, scale) -> torch.Tensor:

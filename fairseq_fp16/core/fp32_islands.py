@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compile import dispatch_mode_active
+from .compile import compile_dynamic, dispatch_mode_active
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ _COMPILED_NORM: Dict[torch.dtype, bool] = {}
 
 @functools.lru_cache(maxsize=None)
 def _compiled_island_layer_norm():
-    return torch.compile(_island_layer_norm, dynamic=True)
+    return compile_dynamic(_island_layer_norm)
 
 
 def _compiled_layer_norm(x, weight, bias, eps):

@@ -186,3 +186,22 @@ def test_a_deep_copy_runs_its_own_weights_compiled_and_eagerly(checkpointed):
     hold_eager(holder, twin)
     assert all(len(m._fairseq_fp16_compiled) == 1 for m in twin)
     assert all(len(m._fairseq_fp16_compiled) == 0 for m in model)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: nothing to spread over")
+def test_a_kernel_first_compiled_on_a_small_tensor_still_runs_on_every_thread():
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    from fairseq_fp16.core.compile import compile_dynamic
+
+    def scaled(x):
+        return (x.float() * 3.0 + 1.0).to(x.dtype)
+
+    small = torch.randn(100).to(torch.bfloat16)  # under inductor's size for a parallel loop
+    with config.patch(force_disable_caches=True):
+        _, plain = run_and_get_code(torch.compile(scaled, dynamic=True), small)
+        out, code = run_and_get_code(compile_dynamic(scaled), small)
+    assert not any("#pragma omp parallel" in c for c in plain)  # torch's default: one thread
+    assert code and all("#pragma omp parallel" in c for c in code)
+    torch.testing.assert_close(out, scaled(small), rtol=0, atol=0)
