@@ -4,7 +4,8 @@ fairseq's task base classes build the model, the criterion and the generator, ma
 iterator and run the train, valid and inference steps; :mod:`fairseq_fp16.patches.tasks` wraps
 those methods and calls these functions:
 
-* :func:`prepare_model`: parameter names recorded (diagnostics, ``--no-decay-params``), fp32
+* :func:`prepare_model`: the task's batch shapes first (``fit_cpu_shapes``, translation_fp16),
+  parameter names recorded (diagnostics, ``--no-decay-params``), fp32
   islands (norms, ``--fp32-modules``), the attention path (``--attention-path``; cuDNN's
   attention off for half precision on CUDA), the CPU's dropout masks (``--cpu-dropout``),
   ``--compile-layers``;
@@ -117,6 +118,9 @@ def prepare_model(task, model):
     """Names, fp32 islands, attention path and compiled layers for ``model`` (idempotent)."""
     state = task_state(task)
     precision, flags = state.precision, state.context.flags
+    fit_shapes = getattr(task, "fit_cpu_shapes", None)  # translation_fp16: before any product
+    if fit_shapes is not None:
+        fit_shapes(model)
     tag_param_names(model.named_parameters())
     regex = flags.fp32_modules
     matched = apply_fp32_islands(model, regex)

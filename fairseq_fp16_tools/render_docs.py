@@ -780,7 +780,7 @@ TABLES: Dict[str, Table] = {
                       provenance=True),
     "cpu-shapes-amx": Table(tuple(f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_goal/shapes_{n}.json"
                                   for n in ("short", "long", "demo")),
-                            "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,bf16,bf16-unpadded,"
+                            "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,bf16,bf16-padded,bf16-unpadded,"
                             "bf16-buckets --updates 10 --warmup 5 --repeats 2 --model \"--arch transformer "
                             "--share-all-embeddings --max-tokens 4096\"; the demo's: python "
                             f"scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,bf16,bf16-unpadded,"

@@ -17,8 +17,9 @@ AMX_CPU = {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}  # t
 BF16_CPU = {"avx512f", "avx512_bf16"}  # the AVX512-BF16 EPYC: bf16 units, no AMX
 
 
-def build_task(data, flags, cpu_flags, monkeypatch):
-    """The translation_fp16 task with its valid split loaded; returns (task, kernel-cache env)."""
+def build_task(data, flags, cpu_flags, monkeypatch, model=True):
+    """The translation_fp16 task with its model built (``model``) and its valid split loaded,
+    in fairseq-train's order; returns (task, kernel-cache env)."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -29,7 +30,10 @@ def build_task(data, flags, cpu_flags, monkeypatch):
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(
         parser, [str(data), *TINY_MODEL, *TRAIN, "--user-dir", USER_DIR, "--save-dir", "unused", *flags])
-    task = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    if model:
+        task.build_model(cfg.model)
     env = {var: os.environ.get(var) for var in CACHE_ENV_VARS}
     task.load_dataset("valid")
     return task, env
@@ -57,6 +61,12 @@ CASES = [
     (["--bf16", "--half-matmul", "native", "--cpu-length-multiple", "16"], BF16_CPU, 16, "1024"),
     (["--bf16", "--half-matmul", "native", "--cpu-kernel-cache", "32"], AMX_CPU, 8, "32"),
     (["--bf16", "--half-matmul", "native", "--required-seq-len-multiple", "4"], AMX_CPU, 4, "1024"),
+    # the tiny model's ~20 k linear weights: 1,000 tokens a batch are ~0.02 G multiply-adds,
+    # 4 M tokens ~90 G, past the 32 G from which AMX runs faster unpadded
+    (["--bf16", "--half-matmul", "native", "--max-tokens", "4000000"], AMX_CPU, 1, "64"),
+    (["--bf16", "--half-matmul", "native", "--max-tokens", "1000000"], AMX_CPU, 8, "1024"),
+    (["--bf16", "--half-matmul", "native", "--max-tokens", "4000000", "--cpu-length-multiple", "8"],
+     AMX_CPU, 8, "1024"),
 ]
 
 
@@ -74,6 +84,15 @@ def test_lengths_are_padded_where_the_half_products_run_on_amx(toy_data, monkeyp
     else:  # the toy corpus's lengths vary: unpadded batches include lengths of every residue
         assert any(s % 8 for s, _ in lengths) and any(t % 8 for _, t in lengths), lengths
     assert env == {var: cache for var in CACHE_ENV_VARS}
+
+
+def test_a_dataset_loaded_before_any_model_is_padded_on_amx_whatever_max_tokens(toy_data, monkeypatch):
+    task, env = build_task(toy_data, ["--bf16", "--half-matmul", "native", "--max-tokens", "4000000"],
+                           AMX_CPU, monkeypatch, model=False)
+    assert task.dataset("valid").pad_to_multiple == 8 and task.length_multiple == 8
+    assert os.environ.get(CACHE_ENV_VARS[0]) == "1024"
+    task.fit_cpu_shapes(torch.nn.Linear(10**5, 10**3, device="meta"))  # 400 T: decided already
+    assert task.length_multiple == 8
 
 
 def test_generation_gets_the_batch_without_the_padded_columns(toy_data, monkeypatch):

@@ -9,8 +9,8 @@ go to BLAS and do not use these caches. Translation batches come in hundreds of 
 run's resident memory grows with every new shape until both caches are full.
 
 Both capacities are read from the environment when the first such product
-runs, so :func:`cap_cpu_kernel_caches` sets them when the task is built, before
-the model computes anything. A variable the user has set is left alone.
+runs, so :func:`cap_cpu_kernel_caches` sets them once the model is built, before
+it computes anything. A variable the user has set is left alone.
 
 On a CPU with AMX tiles, a cache miss costs more than memory: oneDNN compiles
 (JITs) an AMX kernel for each new shape, and with few entries kept a run compiles
@@ -19,10 +19,13 @@ lengths padded to a multiple of 8 (fairseq's ``--required-seq-len-multiple``;
 padded positions are masked, the sentences of each batch are unchanged) the
 batches come in far fewer shapes, each kernel is compiled once, and 1,024-entry
 caches hold them all in a fraction of the memory they take without padding.
-:func:`resolve_length_multiple` and :func:`resolve_kernel_cache` make that the
-default (``auto``) where the half products run on AMX tiles, and keep lengths
-as they are and 64 entries elsewhere, where padding costs every run the padded
-positions' work (docs/cpu-half-precision.md has the measurements).
+
+Padding pays while compiling kernels weighs against a batch's products, and costs more than
+it saves once the products are large: batches are cut by padded lengths, so each holds fewer
+sentences. :func:`resolve_length_multiple` and :func:`resolve_kernel_cache` make padding the
+default (``auto``) where the half products run on AMX tiles and a batch's products
+(:func:`batch_products`) take fewer than :data:`AMX_UNPADDED_MIN_MACS` multiply-adds, and keep
+lengths as they are and 64 entries otherwise (docs/cpu-half-precision.md has the measurements).
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ import torch
 from .half_matmul import cpu_has_amx
 
 __all__ = [
+    "AMX_UNPADDED_MIN_MACS",
     "CACHE_ENV_VARS",
+    "batch_products",
     "check_capacity",
     "cap_cpu_kernel_caches",
     "resolve_kernel_cache",
@@ -49,10 +54,29 @@ CACHE_ENV_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 CAPPED_CACHE, BUCKETED_CACHE = 64, 1024
 #: ``--cpu-length-multiple auto`` where the half products run on AMX tiles
 AMX_LENGTH_MULTIPLE = 8
+#: multiply-adds of a batch's products from which ``auto`` keeps lengths as they are on AMX.
+#: Measured, AMX Xeon, bf16, Debian en-de (benchmarks/amx-xeon-480/length_multiple): padded
+#: faster at 4 G (the demo) and 15 G (1.72x against 1.55x stock fp32's words/s), alike at 49
+#: and 61 G (unpadded at 0.74x the memory at 61 G), unpadded faster at 197 G (transformer
+#: base, 4,096 tokens: 2.69x against 2.41x, at 0.75x against 0.91x the memory)
+AMX_UNPADDED_MIN_MACS = 32 * 10**9
+
+
+def batch_products(model: Optional[torch.nn.Module], max_tokens) -> Optional[int]:
+    """Multiply-adds of the matrix products in the forward of a batch of ``max_tokens`` tokens
+    (``--max-tokens``): ``max_tokens`` times the weights of ``model``'s ``nn.Linear`` modules
+    (each token passes through its side's projections and feed-forward layers, and each target
+    token through the output projection; the attention's own products, growing with the
+    sentences' lengths, are left out). None where either is unknown."""
+    if model is None or not max_tokens:
+        return None
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return int(max_tokens) * weights
 
 
 def resolve_length_multiple(
-    choice, dtype: Optional[torch.dtype], native: bool, flags: Optional[Iterable[str]] = None
+    choice, dtype: Optional[torch.dtype], native: bool, flags: Optional[Iterable[str]] = None,
+    products: Optional[int] = None,
 ) -> int:
     """``--cpu-length-multiple`` as the multiple each batch's lengths are padded to.
 
@@ -61,16 +85,19 @@ def resolve_length_multiple(
         dtype: the model's half dtype (None: fp32, which ``auto`` never pads).
         native: whether the CPU half products run on torch's native (oneDNN) kernels.
         flags: /proc/cpuinfo flags (default: this CPU's).
+        products: a batch's multiply-adds (:func:`batch_products`; None: unknown).
 
     Returns:
         ``choice`` as an int; for ``auto``, :data:`AMX_LENGTH_MULTIPLE` when native
-        ``dtype`` products run on AMX tiles, else 1 (lengths as they are).
+        ``dtype`` products run on AMX tiles and ``products`` is unknown or under
+        :data:`AMX_UNPADDED_MIN_MACS`, else 1 (lengths as they are).
 
     Raises:
         ValueError: naming the flag, for anything but ``auto`` or an integer >= 1.
     """
     if str(choice) == "auto":
-        return AMX_LENGTH_MULTIPLE if native and cpu_has_amx(dtype, flags) else 1
+        small = products is None or products < AMX_UNPADDED_MIN_MACS
+        return AMX_LENGTH_MULTIPLE if native and small and cpu_has_amx(dtype, flags) else 1
     return _at_least_one(choice, "--cpu-length-multiple must be auto or an integer >= 1 "
                                  "(1 = lengths as they are)")
 

@@ -10,8 +10,10 @@ The precision features and their flags (loss scaling, ``--fp32-modules``, ``--ha
   each batch's lengths so that batches come in few shapes (through the language-pair
   dataset's ``pad_to_multiple``; ``--max-tokens`` counts the padded lengths, and a resume
   inside an epoch cut with the other count is refused), and cap oneDNN's per-shape kernel
-  caches, whose size follows from that padding (:mod:`fairseq_fp16.core.cpu_kernel_cache`);
-  generation drops the padded source columns again, so decoding is as without padding;
+  caches, whose size follows from that padding (:mod:`fairseq_fp16.core.cpu_kernel_cache`).
+  Both are decided once the model is built, before its first product (``auto`` weighs the
+  model's products per batch): :meth:`TranslationFP16Task.fit_cpu_shapes`. Generation drops
+  the padded source columns again, so decoding is as without padding;
 
 A resumed run trains on the batches of the uninterrupted one under any task
 (:mod:`fairseq_fp16.features`).
@@ -20,13 +22,17 @@ A resumed run trains on the batches of the uninterrupted one under any task
 
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
+from omegaconf import II
 
 from ..core.buckets import round_up
 from ..core.cpu_kernel_cache import (
+    AMX_UNPADDED_MIN_MACS,
+    batch_products,
     cap_cpu_kernel_caches,
     resolve_kernel_cache,
     resolve_length_multiple,
@@ -65,10 +71,12 @@ class TranslationFP16Config(TranslationConfig):
             "lengths to a multiple of this (as --required-seq-len-multiple; the padding is "
             "masked), so that batches come in few shapes and oneDNN compiles each shape's "
             "kernel once. auto: 8 where the half products run on AMX tiles (bf16: amx_bf16, "
-            "fp16: amx_fp16), else 1 (lengths as they are). A --required-seq-len-multiple "
-            "above 1 wins; fp32 runs are never padded by this flag"
+            "fp16: amx_fp16) and a batch's products take under 32 G multiply-adds "
+            "(--max-tokens x the model's linear-layer weights), else 1 (lengths as they are). "
+            "A --required-seq-len-multiple above 1 wins; fp32 runs are never padded by this flag"
         },
     )
+    max_tokens: Optional[int] = II("dataset.max_tokens")  # weighs auto's padding
 
 
 def validate_length_flags(cfg) -> None:
@@ -109,14 +117,32 @@ class TranslationFP16Task(TranslationTask):
         validate_length_flags(cfg)
         super().__init__(cfg, src_dict, tgt_dict)  # the plugin's flags are checked there
         state = task_state(self)  # the precision features' decision, made once
-        if state.precision.is_half and state.precision.on_cpu and not state.fp32_accumulate:
-            self._bucket_cpu_shapes(state.precision.dtype)
+        native = state.precision.is_half and state.precision.on_cpu and not state.fp32_accumulate
+        #: the half dtype whose batch shapes are still to be fitted (None: fitted, or no need)
+        self._unfitted: Optional[torch.dtype] = state.precision.dtype if native else None
 
-    def _bucket_cpu_shapes(self, dtype: torch.dtype) -> None:
-        """Native CPU half products: pad batch lengths (``--cpu-length-multiple``) and
-        bound oneDNN's per-shape kernel caches (``--cpu-kernel-cache``)."""
+    def fit_cpu_shapes(self, model: Optional[torch.nn.Module] = None) -> None:
+        """Native CPU half products: pad batch lengths (``--cpu-length-multiple``) and bound
+        oneDNN's per-shape kernel caches (``--cpu-kernel-cache``). Decided once: for the first
+        model built (:func:`fairseq_fp16.features.prepare_model` calls this before anything
+        runs a product, as the caches' capacities must be set by then), or without a model where
+        a dataset is loaded first."""
+        dtype, self._unfitted = self._unfitted, None
+        if dtype is None:
+            return
         cfg = self.cfg
-        multiple = resolve_length_multiple(cfg.cpu_length_multiple, dtype, native=True)
+        try:
+            max_tokens = cfg.max_tokens
+        except Exception:  # a config outside a run's (no dataset.max_tokens to interpolate)
+            max_tokens = None
+        products = batch_products(model, max_tokens if isinstance(max_tokens, int) else None)
+        multiple = resolve_length_multiple(cfg.cpu_length_multiple, dtype, native=True,
+                                           products=products)
+        if products is not None and str(cfg.cpu_length_multiple) == "auto":
+            logger.info("CPU batch products: %.1f G multiply-adds (--max-tokens %d x %.1f M "
+                        "linear-layer weights); --cpu-length-multiple auto pads on AMX below %d G",
+                        products / 1e9, max_tokens, products / max_tokens / 1e6,
+                        AMX_UNPADDED_MIN_MACS // 10**9)
         given = int(getattr(cfg, "required_seq_len_multiple", 1) or 1)
         lengths = None
         if given > 1:
@@ -138,6 +164,7 @@ class TranslationFP16Task(TranslationTask):
         )
 
     def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        self.fit_cpu_shapes()  # fairseq's commands build the model first
         super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
         if self.length_multiple > 1:
             dataset = self.datasets[split]

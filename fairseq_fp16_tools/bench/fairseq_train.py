@@ -11,8 +11,8 @@ fairseq's GradScaler on CUDA, bf16 on the CPU; with --compile-layers), fp32-torc
 bf16-torch-dropout (--cpu-dropout torch: torch's bernoulli_ masks), bf16-cache1024
 (--cpu-kernel-cache 1024: torch's default kernel-cache sizes), bf16-unpadded
 (--cpu-length-multiple 1: batch lengths as they are, where auto pads them on a CPU
-with AMX), bf16-unpadded-cache1024 (those lengths, torch's 1,024 kernels per cache),
-bf16-padded (--cpu-length-multiple 8: the AMX default, on any CPU),
+with AMX for small products), bf16-unpadded-cache1024 (those lengths, torch's 1,024 kernels
+per cache), bf16-padded (--cpu-length-multiple 8: auto's padding on AMX, for any model and CPU),
 bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
 cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
@@ -94,10 +94,11 @@ MODES = {
     "bf16-torch-dropout": ["--bf16", "--cpu-dropout", "torch"],
     "bf16-fp32acc": ["--bf16", "--half-matmul", "fp32-accumulate"],
     "bf16-cache1024": ["--bf16", "--cpu-kernel-cache", "1024"],  # torch's own cache sizes
-    # batch lengths (--cpu-length-multiple; auto pads where the products run on AMX tiles)
+    # batch lengths (--cpu-length-multiple; auto pads where the products run on AMX tiles and
+    # a batch's products are small)
     "bf16-unpadded": ["--bf16", "--cpu-length-multiple", "1"],
     "bf16-unpadded-cache1024": ["--bf16", "--cpu-length-multiple", "1", "--cpu-kernel-cache", "1024"],
-    "bf16-padded": ["--bf16", "--cpu-length-multiple", "8"],  # the AMX default, on any CPU
+    "bf16-padded": ["--bf16", "--cpu-length-multiple", "8"],  # auto's AMX padding, always
     "bf16-padded-cache64": ["--bf16", "--cpu-length-multiple", "8", "--cpu-kernel-cache", "64"],
     "fp16-padded": ["--fp16", "--cpu-length-multiple", "8"],
     "fp32-padded": ["--required-seq-len-multiple", "8"],  # fairseq's own flag: fp32 the same shapes
