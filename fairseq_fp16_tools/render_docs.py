@@ -327,6 +327,50 @@ def _corpus(path: str) -> str:
     return Path(path).stem
 
 
+#: fairseq's dictionary of examples/translation/prepare_debian.py's 8,000-piece vocabulary
+DEBIAN_SYMBOLS = 7992
+
+
+def transformer_linear_weights(model_args: str, symbols: int) -> int:
+    """The ``nn.Linear`` weights of a fairseq ``--arch transformer`` given its arguments (its
+    defaults where they are not given; shared embeddings): per encoder layer four attention
+    projections and two feed-forward matrices, per decoder layer eight and two, and the output
+    projection, as :func:`fairseq_fp16.core.cpu_kernel_cache.batch_products` counts them."""
+    def arg(name: str, default: int) -> int:
+        found = re.search(rf"--{name} (\d+)", model_args)
+        return int(found.group(1)) if found else default
+
+    width = arg("encoder-embed-dim", 512)
+    ffn = arg("encoder-ffn-embed-dim", 2048)
+    dec_width, dec_ffn = arg("decoder-embed-dim", 512), arg("decoder-ffn-embed-dim", 2048)
+    return (arg("encoder-layers", 6) * (4 * width * width + 2 * width * ffn)
+            + arg("decoder-layers", 6) * (8 * dec_width * dec_width + 2 * dec_width * dec_ffn)
+            + symbols * dec_width)
+
+
+def length_multiple_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """bench_fairseq_train.py's bf16 runs padded (``bf16-padded``, or ``bf16`` measured where
+    ``auto`` padded every AMX run) and unpadded (``bf16-unpadded``) on Debian, one model and
+    --max-tokens a file, ordered by a batch's products (--max-tokens x the linear weights)."""
+    rows = []
+    for d in data:
+        tokens = int(re.search(r"--max-tokens (\d+)", d["model"]).group(1))
+        products = tokens * transformer_linear_weights(d["model"], DEBIAN_SYMBOLS)
+        wps, mem = d["words_per_s"], d["peak_mb"]
+        padded = "bf16-padded" if "bf16-padded" in wps else "bf16"
+        width = re.search(r"--encoder-embed-dim (\d+)", d["model"])
+        layers = re.search(r"--encoder-layers (\d+)", d["model"])
+        model = (f"{layers.group(1) if layers else 6}+{layers.group(1) if layers else 6} layers, "
+                 f"width {width.group(1) if width else 512}")
+        rows.append((products, [model, thousands(tokens), num(products / 1e9, 0), thousands(wps[padded]),
+                                thousands(wps["bf16-unpadded"]), ratio(wps["bf16-unpadded"] / wps[padded]),
+                                thousands(mem[padded]), thousands(mem["bf16-unpadded"]),
+                                ratio(mem["bf16-unpadded"] / mem[padded])]))
+    return md_table(["model", "--max-tokens", "G multiply-adds a batch", "padded words/s", "unpadded words/s",
+                     "x padded", "padded peak RSS MB", "unpadded MB", "x padded"],
+                    [r for _, r in sorted(rows, key=lambda r: r[0])])
+
+
 def cpu_goal_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """bench_fairseq_train.py runs of the CPU goal (one per corpus): words/s against stock
     fairseq's fp32 and the plugin's, peak memory, and the products' share of the profiled
@@ -786,6 +830,12 @@ TABLES: Dict[str, Table] = {
                             f"scripts/bench_fairseq_train.py {DEMO_DATA} --modes fp32-stock,bf16,bf16-unpadded,"
                             f"bf16-buckets --updates 600 --warmup 20 --repeats 1 --model \"{DEMO_BENCH_MODEL}\"", shape_rows,
                             provenance=True),
+    "length-multiple-amx": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_goal/shapes_demo.json",)
+                                 + tuple(f"{BENCH}/{CPU_GOAL_MACHINES[0]}/length_multiple/{n}_debian.json"
+                                         for n in ("default", "base1024", "default8192", "base")),
+                                 "python scripts/bench_fairseq_train.py data/debian-ende/bin-max40 --modes "
+                                 "fp32-stock,bf16,bf16-unpadded --updates 40-200 --repeats 1 --model \"MODEL "
+                                 "--max-tokens N\"", length_multiple_rows, provenance=True),
     "cpu-copies": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_copies/short.json",),
                         "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,bf16,bf16-torch-attn "
                         "--updates 10 --warmup 5 --repeats 2 --profile-dir DIR --model \"--arch transformer "

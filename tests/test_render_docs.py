@@ -189,3 +189,27 @@ def test_copies_table_keeps_the_largest_askers_of_any_mode_and_sums_the_rest():
                          "| all copies | 12 (6) | 20 (4) |",
                          "| torch's fused attention kernels themselves (not copies) | - | 16 |",
                          "| the update, profiled | 120 | 230 |", "| the update, timed | 100 | 200 |"]
+
+
+def test_the_batch_products_table_counts_the_weights_the_plugin_counts(toy_data):
+    # the table's G multiply-adds are what --cpu-length-multiple auto weighs: its formula against
+    # batch_products on a fairseq transformer built from the same arguments
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from conftest import USER_DIR
+    from fairseq_fp16.core.cpu_kernel_cache import batch_products
+    from fairseq_fp16_tools.render_docs import transformer_linear_weights
+
+    model_args = ("--arch transformer --encoder-layers 2 --decoder-layers 1 --encoder-embed-dim 48 "
+                  "--decoder-embed-dim 48 --encoder-ffn-embed-dim 80 --decoder-ffn-embed-dim 96 "
+                  "--share-all-embeddings --max-tokens 3000")
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(toy_data), *model_args.split(), "--task", "translation_fp16", "--user-dir", USER_DIR, "--cpu"])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    symbols = len(task.target_dictionary)
+    assert batch_products(model, 3000) == 3000 * transformer_linear_weights(model_args, symbols)
+    assert transformer_linear_weights(model_args, symbols) == (
+        2 * (4 * 48 * 48 + 2 * 48 * 80) + (8 * 48 * 48 + 2 * 48 * 96) + symbols * 48)
