@@ -832,7 +832,7 @@ TABLES: Dict[str, Table] = {
                             provenance=True),
     "length-multiple-amx": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_goal/shapes_demo.json",)
                                  + tuple(f"{BENCH}/{CPU_GOAL_MACHINES[0]}/length_multiple/{n}_debian.json"
-                                         for n in ("default", "base1024", "default8192", "base")),
+                                         for n in ("default", "default4096", "base1024", "default8192", "base")),
                                  "python scripts/bench_fairseq_train.py data/debian-ende/bin-max40 --modes "
                                  "fp32-stock,bf16,bf16-unpadded --updates 40-200 --repeats 1 --model \"MODEL "
                                  "--max-tokens N\"", length_multiple_rows, provenance=True),
