@@ -832,9 +832,10 @@ TABLES: Dict[str, Table] = {
                             provenance=True),
     "length-multiple-amx": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_goal/shapes_demo.json",)
                                  + tuple(f"{BENCH}/{CPU_GOAL_MACHINES[0]}/length_multiple/{n}_debian.json"
-                                         for n in ("default", "default4096", "base1024", "default8192", "base")),
+                                         for n in ("default", "default3072", "default4096", "base1024",
+                                                   "default8192", "base")),
                                  "python scripts/bench_fairseq_train.py data/debian-ende/bin-max40 --modes "
-                                 "fp32-stock,bf16,bf16-unpadded --updates 40-200 --repeats 1 --model \"MODEL "
+                                 "bf16-padded,bf16-unpadded --updates 40-200 --repeats 1 --model \"MODEL "
                                  "--max-tokens N\"", length_multiple_rows, provenance=True),
     "cpu-copies": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_copies/short.json",),
                         "python scripts/bench_fairseq_train.py DATA_BIN --modes fp32-stock,bf16,bf16-torch-attn "
