@@ -331,20 +331,32 @@ def _corpus(path: str) -> str:
 DEBIAN_SYMBOLS = 7992
 
 
+#: fairseq's ``--arch transformer`` sizes where a model's arguments do not give them
+TRANSFORMER_DEFAULTS = {"encoder-layers": 6, "decoder-layers": 6, "encoder-embed-dim": 512,
+                        "decoder-embed-dim": 512, "encoder-ffn-embed-dim": 2048,
+                        "decoder-ffn-embed-dim": 2048}
+
+
+def model_arg(model_args: str, name: str) -> int:
+    """The integer ``--NAME N`` of a benchmark's model arguments, else the transformer's default
+    (:data:`TRANSFORMER_DEFAULTS`; KeyError for another name missing)."""
+    found = re.search(rf"--{name} (\d+)", model_args)
+    return int(found.group(1)) if found else TRANSFORMER_DEFAULTS[name]
+
+
 def transformer_linear_weights(model_args: str, symbols: int) -> int:
     """The ``nn.Linear`` weights of a fairseq ``--arch transformer`` given its arguments (its
     defaults where they are not given; shared embeddings): per encoder layer four attention
     projections and two feed-forward matrices, per decoder layer eight and two, and the output
     projection, as :func:`fairseq_fp16.core.cpu_kernel_cache.batch_products` counts them."""
-    def arg(name: str, default: int) -> int:
-        found = re.search(rf"--{name} (\d+)", model_args)
-        return int(found.group(1)) if found else default
+    def arg(name: str) -> int:
+        return model_arg(model_args, name)
 
-    width = arg("encoder-embed-dim", 512)
-    ffn = arg("encoder-ffn-embed-dim", 2048)
-    dec_width, dec_ffn = arg("decoder-embed-dim", 512), arg("decoder-ffn-embed-dim", 2048)
-    return (arg("encoder-layers", 6) * (4 * width * width + 2 * width * ffn)
-            + arg("decoder-layers", 6) * (8 * dec_width * dec_width + 2 * dec_width * dec_ffn)
+    width = arg("encoder-embed-dim")
+    ffn = arg("encoder-ffn-embed-dim")
+    dec_width, dec_ffn = arg("decoder-embed-dim"), arg("decoder-ffn-embed-dim")
+    return (arg("encoder-layers") * (4 * width * width + 2 * width * ffn)
+            + arg("decoder-layers") * (8 * dec_width * dec_width + 2 * dec_width * dec_ffn)
             + symbols * dec_width)
 
 
@@ -354,14 +366,13 @@ def length_multiple_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     --max-tokens a file, ordered by a batch's products (--max-tokens x the linear weights)."""
     rows = []
     for d in data:
-        tokens = int(re.search(r"--max-tokens (\d+)", d["model"]).group(1))
-        products = tokens * transformer_linear_weights(d["model"], DEBIAN_SYMBOLS)
+        args = d["model"]
+        tokens = model_arg(args, "max-tokens")
+        products = tokens * transformer_linear_weights(args, DEBIAN_SYMBOLS)
         wps, mem = d["words_per_s"], d["peak_mb"]
         padded = "bf16-padded" if "bf16-padded" in wps else "bf16"
-        width = re.search(r"--encoder-embed-dim (\d+)", d["model"])
-        layers = re.search(r"--encoder-layers (\d+)", d["model"])
-        model = (f"{layers.group(1) if layers else 6}+{layers.group(1) if layers else 6} layers, "
-                 f"width {width.group(1) if width else 512}")
+        model = (f"{model_arg(args, 'encoder-layers')}+{model_arg(args, 'decoder-layers')} layers, "
+                 f"width {model_arg(args, 'encoder-embed-dim')}")
         rows.append((products, [model, thousands(tokens), num(products / 1e9, 0), thousands(wps[padded]),
                                 thousands(wps["bf16-unpadded"]), ratio(wps["bf16-unpadded"] / wps[padded]),
                                 thousands(mem[padded]), thousands(mem["bf16-unpadded"]),
