@@ -12,8 +12,10 @@ checkpoint is the same either way (``--compile-step``).
 
 Each call of a compiled function costs ~0.1 ms on the host, a transformer has ~100 large
 tensors, and a compiled function over a list of tensors compiles in a time that grows faster
-than the list: tensors of the same size are therefore stepped (and their squares summed) four
-to a call, on one compiled graph, and the others one to a call.
+than the list: tensors of the same size are therefore stepped four to a call, on one compiled
+graph, and the others one to a call. Their squares are summed eight (or four) to a call, in one
+loop that reads them all at once: the CPU reads one stream at half the speed it reads several
+(``scripts/bench_optimizer.py``'s ``compiled_passes_ms``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ SMALL = 1 << 14
 #: large half parameters of one size stepped by one call of the compiled loop (a graph over a
 #: list compiles in seconds at four tensors, in a minute at 32; four takes most of the saving)
 GROUP = 4
+#: large half gradients of one size whose squares are summed by one loop, the larger first
+NORM_GROUPS = (8, 4)
 
 
 def _adamw_update(master, grad, exp_avg, exp_avg_sq, step, hyper, inv_scale, found_inf, half):
@@ -79,20 +83,24 @@ def _adamw_update_group(masters, grads, exp_avgs, exp_avg_sqs, steps, halves, hy
 
 
 def _sum_of_squares_group(grads):
-    return torch.stack([_sum_of_squares(g) for g in grads]).sum()
+    """The squares of gradients of one size summed in one loop over all of them."""
+    squares = [g.float() * g.float() for g in grads]
+    return sum(squares[1:], squares[0]).sum()
 
 
-def _batches(rows: List[Tuple[torch.Tensor, ...]]) -> Tuple[List[List[int]], List[int]]:
-    """The indices of ``rows`` in groups of :data:`GROUP` of one size and dtype, and the
-    rest's."""
+def _batches(rows: List[Tuple[torch.Tensor, ...]], sizes=(GROUP,)) -> Tuple[List[List[int]], List[int]]:
+    """The indices of ``rows`` in groups of one size and dtype, as many of ``sizes[0]`` as there
+    are, then of ``sizes[1]``..., and the rest's."""
     by_kind: Dict[Tuple, List[int]] = {}
     for i, row in enumerate(rows):
         by_kind.setdefault((row[0].numel(), row[4].dtype), []).append(i)
     batches, singles = [], []
     for indices in by_kind.values():
-        full = len(indices) - len(indices) % GROUP
-        batches += [indices[i:i + GROUP] for i in range(0, full, GROUP)]
-        singles += indices[full:]
+        for size in sizes:
+            full = len(indices) - len(indices) % size
+            batches += [indices[i:i + size] for i in range(0, full, size)]
+            indices = indices[full:]
+        singles += indices
     return batches, singles
 
 
@@ -105,6 +113,8 @@ class _Group:
         self.rows: List[Tuple[torch.Tensor, ...]] = []
         self.batches: List[List[int]] = []  # rows stepped GROUP to a call (_batches)
         self.singles: List[int] = []
+        self.norm_batches: List[List[int]] = []  # rows whose squares one call sums (NORM_GROUPS)
+        self.norm_singles: List[int] = []
         self.masters: List[torch.Tensor] = []
         self.sources: List[torch.Tensor] = []  # whose .grad each master takes (itself: fp32)
         self.exp_avgs: List[torch.Tensor] = []
@@ -171,12 +181,13 @@ class CompiledMixedAdamW:
             def fp32():
                 return [torch.zeros(WARM_UP_NUMEL, device=device) for _ in range(GROUP)]
 
-            def half():
-                return [torch.zeros(WARM_UP_NUMEL, dtype=dtype, device=device) for _ in range(GROUP)]
+            def half(count=GROUP):
+                return [torch.zeros(WARM_UP_NUMEL, dtype=dtype, device=device) for _ in range(count)]
 
             masters, grads, exp_avgs, exp_avg_sqs, halves = fp32(), half(), fp32(), fp32(), half()
             self._squares(grads[0])
-            self._squares_group(grads)
+            for count in NORM_GROUPS:
+                self._squares_group(half(count))
             with torch.no_grad():  # as step() calls them: grad mode is in the graphs' guards
                 steps = [torch.zeros((), device=device) for _ in range(GROUP)]
                 self._update(masters[0], grads[0], exp_avgs[0], exp_avg_sqs[0], steps[0], hyper,
@@ -216,6 +227,7 @@ class CompiledMixedAdamW:
                 if half is not None:
                     g.halves.append((half, p))
             g.batches, g.singles = _batches(g.rows)
+            g.norm_batches, g.norm_singles = _batches(g.rows, NORM_GROUPS)
             groups.append(g)
         self._groups = groups
         return True
@@ -242,8 +254,8 @@ class CompiledMixedAdamW:
         sums = []
         for g in self._groups:
             grads = [row[1].grad.reshape(-1) for row in g.rows]
-            sums += [self._squares_group([grads[i] for i in b]) for b in g.batches]
-            sums += [self._squares(grads[i]) for i in g.singles]
+            sums += [self._squares_group([grads[i] for i in b]) for b in g.norm_batches]
+            sums += [self._squares(grads[i]) for i in g.norm_singles]
             g.copy_grads()
             if g.masters:
                 sums.append(torch.stack(torch._foreach_norm(g.grads(), 2)).square().sum())

@@ -25,7 +25,7 @@ it saves once the products are large: batches are cut by padded lengths, so each
 sentences. :func:`resolve_length_multiple` and :func:`resolve_kernel_cache` make padding the
 default (``auto``) where the half products run on AMX tiles and a batch's products
 (:func:`batch_products`) take fewer than :data:`AMX_UNPADDED_MIN_MACS` multiply-adds, and keep
-lengths as they are and 64 entries otherwise (docs/cpu-half-precision.md has the measurements).
+lengths as they are and 64 entries otherwise (docs/cpu-batch-shapes.md has the measurements).
 """
 
 from __future__ import annotations

@@ -233,7 +233,8 @@ def _run_compiled(fn, *args):
     if fn not in _compiled:
         # not compile_dynamic: threads chosen per call would split a few rows' vocabulary sums
         # across cores, and a row's bits would depend on its chunk; compiled for the first real
-        # logits (at least CPU_COMPILED_MIN_NUMEL elements) the loops run over rows on every core
+        # logits (under ``auto``, at least CPU_COMPILED_MIN_NUMEL elements; a forced ``compiled``
+        # compiles for whatever size comes first) the loops run over rows on every core
         _compiled[fn] = torch.compile(fn, dynamic=True)
     return _compiled[fn](*args)
 

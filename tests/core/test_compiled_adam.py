@@ -10,9 +10,10 @@ from fairseq_fp16.core.loss_scaler import LossScaler
 from fairseq_fp16.core.master_weights import MixedPrecisionOptimizer
 
 HP = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
-# large half tensors (the compiled loop: five of one size, four of them stepped in one call, and
-# one of another size), small ones (torch's passes) and an fp32 island
-SHAPES = ((160, 128),) * 5 + ((130, 128), (64, 32), (32,), (7, 5, 3))
+# large half tensors (the compiled loop: thirteen of one size, stepped four to a call and their
+# squares summed eight and four to a call, and one of another size), small ones (torch's passes)
+# and an fp32 island
+SHAPES = ((160, 128),) * 13 + ((130, 128), (64, 32), (32,), (7, 5, 3))
 SMALL = SHAPES.index((64, 32))
 
 
@@ -63,8 +64,12 @@ def test_compiled_step_tracks_the_eager_step_with_clipping_and_an_overflow(dtype
         assert st["step"].item() == ref_st["step"].item() == 7.0  # the overflow skipped one
         torch.testing.assert_close(st["exp_avg_sq"], ref_st["exp_avg_sq"], rtol=1e-5, atol=1e-12)
     assert opt.scaler.loss_scale == eager.scaler.loss_scale
-    # four tensors of one size stepped in one call; the fifth and the one of another size alone
-    assert [(g.batches, g.singles) for g in opt._compiled._groups] == [([[0, 1, 2, 3]], [4, 5])]
+    # tensors of one size stepped four to a call, their squares summed eight and four to a
+    # call; the thirteenth and the one of another size alone
+    (group,) = opt._compiled._groups
+    assert group.batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert group.norm_batches == [list(range(8)), [8, 9, 10, 11]]
+    assert group.singles == group.norm_singles == [12, 13]
 
 
 def test_the_training_steps_compile_nothing_after_the_warm_up():
