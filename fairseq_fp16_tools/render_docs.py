@@ -803,6 +803,11 @@ TABLES: Dict[str, Table] = {
                                  "python scripts/bench_fairseq_train.py --modes "
                                  "bf16,bf16-compiled,fp16,fp16-compiled --updates 60 --repeats 1",
                                  train_rows),
+    "compile-layers-amx": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/compile_layers.json",),
+                                "python scripts/bench_fairseq_train.py DATA_BIN --modes bf16,bf16-compiled "
+                                "--updates 10 --warmup 5 --model \"--arch transformer "
+                                "--share-all-embeddings --max-tokens 4096\"",
+                                train_rows, provenance=True),
     "kernel-cache-epyc": Table((f"{BENCH}/avx512-epyc/kernel_cache.json",),
                                f"python scripts/{BENCH_DEMO_MODEL} --updates 1000", train_rows),
     "fused-loss": Table(tuple(f"{BENCH}/avx2-epyc/fairseq_train_fused_loss_{n}.json" for n in (1024, 4096)),
