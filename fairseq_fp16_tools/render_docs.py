@@ -805,7 +805,7 @@ TABLES: Dict[str, Table] = {
                                  train_rows),
     "compile-layers-amx": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/compile_layers.json",),
                                 "python scripts/bench_fairseq_train.py DATA_BIN --modes bf16,bf16-compiled "
-                                "--updates 10 --warmup 5 --model \"--arch transformer "
+                                "--updates 10 --warmup 5 --repeats 1 --model \"--arch transformer "
                                 "--share-all-embeddings --max-tokens 4096\"",
                                 train_rows, provenance=True),
     "kernel-cache-epyc": Table((f"{BENCH}/avx512-epyc/kernel_cache.json",),
