@@ -17,7 +17,7 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages([str(ROOT / PACKAGE)], PA
 #: the modules that need torch and the plugin as they import (checkpoints, the benchmarks of
 #: the plugin's core); every other one imports without fairseq
 NEED_THE_PLUGIN = {f"{PACKAGE}.checkpoints", f"{PACKAGE}.bench.half_matmul", f"{PACKAGE}.bench.optimizer",
-                   f"{PACKAGE}.bench.dropout", f"{PACKAGE}.bench.fused_loss",
+                   f"{PACKAGE}.bench.dropout", f"{PACKAGE}.bench.fused_loss", f"{PACKAGE}.bench.cpu_passes",
                    f"{PACKAGE}.bench.op_census"}  # the census reads the plugin's own test of a dense tensor
 
 
