@@ -487,6 +487,21 @@ def dropout_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
                      "counter fwd+bwd ms", "speed-up", "x * x ms"], rows)
 
 
+def cpu_pass_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
+    """scripts/bench_cpu_passes.py: each pass's time against its floor, and its alternatives, one
+    block of rows per shape."""
+    rows = []
+    for d in data:
+        s = d["shape"]
+        shape = f"{s['length']} x {s['batch']}, width {s['width']}"
+        for r in d["results"]:
+            alts = "; ".join(f"{name} {ratio(a['x_current'])}" for name, a in r["alternatives"].items())
+            rows.append([shape, r["pass"], num(r["ms"], 2), num(r["floor_ms"], 2), ratio(r["over_floor"]),
+                         thousands(r["page_faults"]), alts or "-"])
+    return md_table(["tokens (length x sentences)", "pass, forward and backward", "ms", "floor ms",
+                     "x floor", "page faults", "another way in torch: its time x the pass's"], rows)
+
+
 def fused_loss_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     """scripts/bench_fused_loss.py: fairseq's loss and each fused path, per dtype and shape."""
     (d,) = data
@@ -862,6 +877,11 @@ TABLES: Dict[str, Table] = {
                               weight_gradient_rows, provenance=True),
     "dropout": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/dropout.json",), "python scripts/bench_dropout.py",
                      dropout_rows, provenance=True),
+    "cpu-passes": Table(tuple(f"{BENCH}/{CPU_GOAL_MACHINES[0]}/cpu_passes/{n}.json"
+                              for n in ("base_short", "base_long", "demo")),
+                        "python scripts/bench_cpu_passes.py --repeats 30 [--length 36 --batch 112] "
+                        "[--length 20 --batch 51 --width 256 --ffn 512 --heads 4]", cpu_pass_rows,
+                        provenance=True),
     "cpu-loss": Table((f"{BENCH}/amx-xeon/fused_loss.json",), "python scripts/bench_fused_loss.py",
                       fused_loss_rows, provenance=True),
     "other-tasks": Table(tuple(f"{BENCH}/amx-xeon/other_tasks/{n}.json" for n in ("multilingual", "bart_base")),
