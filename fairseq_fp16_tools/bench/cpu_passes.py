@@ -17,17 +17,18 @@ pass as the plugin runs it in a bf16 training step:
 * ``attention``: the attention's core (scores, fp32 softmax, weighted values, key padding
   masked) as fairseq computes it, forward and backward.
 
-Each pass's ``mb``: every tensor it reads counted once and every tensor it writes once; its
-``page_faults``: the minor page faults a call takes (the fresh memory
-the C allocator maps for its new tensors, zeroed by the kernel page by page; the copy writes
-into a tensor it keeps); ``floor_ms``: those bytes at the speed of a ``copy_`` of a tensor of the pass's size (read once,
+Each pass's ``mb``: every tensor it reads counted once and every tensor it writes once;
+``floor_ms``: those bytes at the speed of a ``copy_`` of a tensor of the pass's size (read once,
 written once), timed in the same rounds; ``over_floor``: its time over that floor (1.0: the
-pass is as fast as the memory lets any pass be). Each ``alternative`` is another way torch
+pass is as fast as the memory lets any pass be); ``page_faults``: the minor page faults a call
+takes (fresh memory the C allocator maps for its new tensors, which the kernel zeroes page by
+page; the copy writes into a tensor it keeps). Each ``alternative`` is another way torch
 computes the same result (``x_current``: its time over the plugin's pass):
 
 * ``compiled as one``: dropout, add and LayerNorm as one ``torch.compile`` graph;
 * ``torch layer_norm``: torch's own kernel on the bf16 input with the fp32 weights (the
-  plugin's probe refuses it where its results differ from the island's by more than one ulp);
+  plugin's probe refuses it where its results are not the island's: on the CPU it sums the
+  weights' gradients in half precision);
 * ``contiguous operands``: fairseq's attention with its batched products' operands made
   contiguous (or transposed-contiguous) first;
 * ``sdpa``: torch's ``scaled_dot_product_attention`` (the fused kernel it picks on the CPU).
