@@ -9,7 +9,8 @@ layers take them; the defaults are transformer base's at 4,096 tokens of the sho
 pass as the plugin runs it in a bf16 training step:
 
 * ``dropout+add+norm``: the residual branch's end, forward and backward: the counter-based
-  dropout (p = 0.1), the residual add and the compiled LayerNorm island;
+  dropout (p = 0.1), the residual add and the LayerNorm island (compiled from 2**18
+  elements, as the plugin runs it);
 * ``relu``: the feed-forward activation, forward and backward;
 * ``bias grad``: a linear layer's bias gradient, the column sum of its output's gradient;
 * ``head copy``: a (time, batch x heads, head) view made contiguous, as the attention's
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 
 from fairseq_fp16.core import dropout as counter
 from fairseq_fp16.core.compile import compile_dynamic
-from fairseq_fp16.core.fp32_islands import _compiled_layer_norm, _island_layer_norm
+from fairseq_fp16.core.fp32_islands import COMPILED_NORM_MIN_NUMEL, _compiled_layer_norm, _island_layer_norm
 
 from ..provenance import describe
 from .run_stats import machine
@@ -77,8 +78,11 @@ def _residual_norm(rows, width):
     b = torch.nn.Parameter(torch.zeros(width))
     threshold, scale = counter._constants(P)
 
+    # the island as the plugin picks it: compiled from 2**18 elements, cast around fp32 below
+    island = _compiled_layer_norm if rows * width >= COMPILED_NORM_MIN_NUMEL else _island_layer_norm
+
     def plugin(x, r):
-        return _compiled_layer_norm(r + counter.counter_dropout(x, P), w, b, EPS)
+        return island(r + counter.counter_dropout(x, P), w, b, EPS)
 
     def one_graph(x, r, seed):
         dropped = counter._masked(x.reshape(-1), seed, threshold, scale).view(x.shape)
