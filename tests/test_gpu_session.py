@@ -63,6 +63,11 @@ def test_session_smoke_writes_every_result(tmp_path):
     intervals = bf16["intervals"]
     assert [i["num_updates"] for i in intervals] == [5, 10, 15]
     assert all(i["attempted"] == 5 + i["skipped"] and i["words"] > 0 and i["wall_ms"] > 0 for i in intervals)
+    # resident memory: torch and fairseq loaded before the first update, the peak never falling
+    start = bf16["memory_before_first_update"]
+    assert 100 < start["rss_mb"] <= start["peak_rss_mb"] <= intervals[0]["peak_rss_mb"]
+    assert all(0 < i["rss_mb"] <= i["peak_rss_mb"] for i in intervals)
+    assert [i["peak_rss_mb"] for i in intervals] == sorted(i["peak_rss_mb"] for i in intervals)
     timed = intervals[1:]  # after the 5 warm-up updates
     assert bf16["ms_per_attempted_update"] == round(sum(i["wall_ms"] for i in timed)
                                                     / sum(i["attempted"] for i in timed), 2)
@@ -269,7 +274,8 @@ def test_a_benchmark_cut_off_is_summarised_from_the_lines_it_wrote(tmp_path):
               "cpu_native_bf16": True, "provenance": {"commit": "ab" * 20, "changed": []}}
     ok = dict(updates=30, ms_per_update=80.0, words_per_s=200000.0, ms_per_attempted_update=82.5,
               applied_words_per_s=195000.0, peak_mb=13000.0, skipped_updates=3, timed_skipped_updates=0,
-              recompiles=0, intervals=INTERVALS, machine={"device": "NVIDIA H200"})
+              recompiles=0, intervals=INTERVALS, machine={"device": "NVIDIA H200"},
+              memory_before_first_update={"rss_mb": 900.0, "peak_rss_mb": 950.0})
     sink = JsonLines(str(tmp_path / "t.jsonl"))
     sink.write(header)
     sink.write(_mode("tf32", "ok", **ok))
@@ -283,6 +289,7 @@ def test_a_benchmark_cut_off_is_summarised_from_the_lines_it_wrote(tmp_path):
         {"tf32": 80.0}, {"tf32": 82.5}, {"tf32": 195000.0})
     assert (summary["skipped_updates"], summary["timed_skipped_updates"], summary["intervals"]) == (
         {"tf32": 3}, {"tf32": 0}, {"tf32": INTERVALS})
+    assert summary["memory_before_first_update"] == {"tf32": {"rss_mb": 900.0, "peak_rss_mb": 950.0}}
     assert summary["peak_kind"] == "CUDA allocator peak" and summary["provenance"] == header["provenance"]
     (tmp_path / "none.jsonl").write_text("")
     with pytest.raises(ValueError, match="none.jsonl: no run header; the benchmark did not start"):

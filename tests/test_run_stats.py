@@ -42,7 +42,7 @@ def test_the_stats_record_the_provenance_and_the_intervals(tmp_path):
     from fairseq_fp16_tools.provenance import SOURCES
 
     out = _run(tmp_path, "ok")
-    assert out["intervals"] == []  # --help trains nothing
+    assert out["intervals"] == [] and out["memory_before_first_update"] is None  # --help trains nothing
     provenance = out["provenance"]
     assert len(provenance["commit"]) == 40 and provenance["commit_from"] == "git"
     assert list(provenance["source_hashes"]) == list(SOURCES) and provenance["torch"] == out["machine"]["torch"]
@@ -72,14 +72,33 @@ def test_the_interval_log_counts_skips_words_and_compiles_per_log_interval():
     from fairseq_fp16_tools.bench.run_stats import IntervalLog
 
     trainer = FakeTrainer(overflow={2, 3, 9}, compile_at={1: 12, 8: 1})
-    log = IntervalLog(clock=lambda: trainer.now, compiles=lambda: trainer.compiled, sync=lambda: None)
+    memory = lambda: {"rss_mb": 100.0 + trainer.calls, "peak_rss_mb": 200.0 + trainer.calls}
+    log = IntervalLog(clock=lambda: trainer.now, compiles=lambda: trainer.compiled, sync=lambda: None,
+                      memory=memory)
     step = log.wrap(trainer, trainer.train_step)
     for _ in range(14):  # update_freq 2, one of them a dummy batch
         step([{"ntokens": 60}, {"ntokens": 40}, {}])
     # calls 1-7: five applied, two skipped; 8-13: five applied, one skipped; 14 opens the third
     assert log.intervals == [
-        {"num_updates": 5, "attempted": 7, "skipped": 2, "words": 500, "wall_ms": 1750.0, "compiles": 12},
-        {"num_updates": 10, "attempted": 6, "skipped": 1, "words": 500, "wall_ms": 1500.0, "compiles": 1}]
+        {"num_updates": 5, "attempted": 7, "skipped": 2, "words": 500, "wall_ms": 1750.0, "compiles": 12,
+         "rss_mb": 107.0, "peak_rss_mb": 207.0},
+        {"num_updates": 10, "attempted": 6, "skipped": 1, "words": 500, "wall_ms": 1500.0, "compiles": 1,
+         "rss_mb": 113.0, "peak_rss_mb": 213.0}]
+    assert log.before_first_update == {"rss_mb": 100.0, "peak_rss_mb": 200.0}  # before call 1
+
+
+def test_the_memory_reading_is_this_process_resident_set():
+    """_memory_mb's peak is getrusage's high-water mark; writing 64 MB more raises both."""
+    import resource
+
+    from fairseq_fp16_tools.bench.run_stats import _memory_mb
+
+    before = _memory_mb()
+    assert abs(before["peak_rss_mb"] - resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024) < 2
+    block = b"\x01" * (64 << 20)  # every page written
+    after = _memory_mb()
+    assert after["rss_mb"] - before["rss_mb"] > 60 and after["peak_rss_mb"] >= after["rss_mb"]
+    del block
 
 
 def test_the_profiled_window_begins_at_its_update_after_skipped_ones():

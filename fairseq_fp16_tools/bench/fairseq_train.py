@@ -40,7 +40,9 @@ updates out of the figures. Figures of the timed intervals (fairseq logs every 5
   included; ``applied_words_per_s``: the words of the applied updates over that wall time
   (both from the run's own clock: scripts/run_stats.py's ``intervals``);
 * ``timed_skipped_updates`` and ``recompiles`` (torch.compile compilations) in them;
-  ``skipped_updates``: the whole run's; ``intervals``: each interval's record.
+  ``skipped_updates``: the whole run's; ``intervals``: each interval's record, with the
+  process's resident memory and its peak so far at the interval's end;
+  ``memory_before_first_update``: both as the first update began.
 
 The modes run interleaved --repeats times; each reports its median. Prints a table and, as
 its last line, one JSON object with the ``provenance`` of the code and software measured
@@ -222,7 +224,8 @@ def run(data, mode, updates, model, device, profile=None, warmup=0, timeout=None
 
     Returns ``ms_per_update``, ``words_per_s`` (fairseq's rates, median over the timed
     intervals), :func:`timed_figures`, ``peak_mb``, ``skipped_updates`` (the whole run's),
-    ``intervals`` (every interval's :class:`.run_stats.IntervalLog` record) and ``machine``.
+    ``intervals`` (every interval's :class:`.run_stats.IntervalLog` record),
+    ``memory_before_first_update`` and ``machine``.
     ``profile``: (updates to profile, JSON path), run after the timed updates. ``timeout``:
     seconds before the run is killed (:class:`RunTimedOut`). ``task_args``: the task and its
     flags (:func:`plugin_args`).
@@ -272,6 +275,7 @@ def run(data, mode, updates, model, device, profile=None, warmup=0, timeout=None
     return {"ms_per_update": round(ms, 2), "words_per_s": round(wps, 1),
             **timed_figures(intervals, warmup, timed_end), "peak_mb": round(mem, 1),
             "skipped_updates": sum(i["skipped"] for i in intervals), "intervals": intervals,
+            "memory_before_first_update": peak.get("memory_before_first_update"),
             "machine": peak.get("machine")}
 
 
@@ -354,6 +358,8 @@ def summarize(header: Dict, records: List[Dict]) -> Dict:
         "recompiles": most("recompiles"),
         # each interval of a mode's first run (every run's are in its own record)
         "intervals": {m: ok[m][0]["intervals"] for m in modes},
+        # resident memory as the first update began (imports, data, model), its first run's
+        "memory_before_first_update": {m: ok[m][0].get("memory_before_first_update") for m in modes},
         # each mode's --profile-dir summary (its first run's)
         "profiles": {m: r["profile"] for m in modes for r in ok[m][:1] if "profile" in r},
         "outcomes": outcomes,

@@ -7,7 +7,8 @@ Writes ``{"wall_s", "peak_rss_mb", "peak_cuda_mb", "exit_code", "machine", "prov
 to STATS.json when the command ends, whatever the outcome (``machine``: see :func:`machine`;
 ``provenance``: :func:`fairseq_fp16_tools.provenance.describe`), and for fairseq-train
 ``intervals``, one record per log interval (:class:`IntervalLog`: updates attempted and
-skipped, applied words, wall time, torch.compile compilations). Peak RSS is the process's
+skipped, applied words, wall time, torch.compile compilations, resident memory) and
+``memory_before_first_update``. Peak RSS is the process's
 high-water mark (``getrusage``), so it includes the interpreter and torch
 (a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak over the whole run
 (:class:`CudaPeak`). It imports nothing of fairseq before the CLI module, so the CLI sets up
@@ -143,6 +144,23 @@ def _compiles() -> int:
     return int(utils.counters["frames"]["ok"]) if utils is not None else 0
 
 
+def _memory_mb() -> dict:
+    """The process's resident memory now (``rss_mb``) and its high-water mark so far
+    (``peak_rss_mb``), in MB: ``/proc/self/status``'s VmRSS and VmHWM; where there is no such
+    file, getrusage's high-water mark for both."""
+    fields = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    fields[key] = int(value.split()[0]) / 1024.0  # kB
+    except OSError:
+        pass
+    hwm = fields.get("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+    return {"rss_mb": round(fields.get("VmRSS", hwm), 1), "peak_rss_mb": round(hwm, 1)}
+
+
 def _sync_cuda() -> None:
     import torch
 
@@ -161,14 +179,18 @@ class IntervalLog:
     applied updates, fairseq's ``ntokens``), ``wall_ms`` (from the end of the previous
     interval, or the start of the first call, to its end, loading and logging included) and
     ``compiles`` (frames torch.compile compiled in it; after the first update each is a
-    recompile). The device is synchronized at each interval's end (fairseq's log line that
-    follows waits for it anyway); no other host sync is added. ``clock`` and ``compiles`` are
-    injectable for tests.
+    recompile), ``rss_mb`` and ``peak_rss_mb`` (:func:`_memory_mb` at its end).
+    ``before_first_update`` is :func:`_memory_mb` as the first call begins: the imports, the
+    data, the model and whatever the run built before training. The device is synchronized at
+    each interval's end (fairseq's log line that follows waits for it anyway); no other host
+    sync is added. ``clock``, ``compiles`` and ``memory`` are injectable for tests.
     """
 
-    def __init__(self, clock=time.perf_counter, compiles=_compiles, sync=_sync_cuda) -> None:
-        self.clock, self.compiles, self.sync = clock, compiles, sync
+    def __init__(self, clock=time.perf_counter, compiles=_compiles, sync=_sync_cuda,
+                 memory=_memory_mb) -> None:
+        self.clock, self.compiles, self.sync, self.memory = clock, compiles, sync, memory
         self.intervals = []
+        self.before_first_update = None
         self._start = None
         self._open = None
 
@@ -184,6 +206,7 @@ class IntervalLog:
 
         def train_step(samples, *args, **kwargs):
             if self._open is None:
+                self.before_first_update = self.memory()
                 self._reset(self.clock())
             before = trainer.get_num_updates()
             result = step(samples, *args, **kwargs)
@@ -200,7 +223,8 @@ class IntervalLog:
                     end = self.clock()
                     self.intervals.append({"num_updates": after, **acc,
                                            "wall_ms": round((end - self._start) * 1000.0, 3),
-                                           "compiles": self.compiles() - self._compiles0})
+                                           "compiles": self.compiles() - self._compiles0,
+                                           **self.memory()})
                     self._reset(end)
             return result
 
@@ -429,6 +453,7 @@ def main(argv=None) -> int:
         }
         if intervals is not None:
             stats["intervals"] = intervals.intervals
+            stats["memory_before_first_update"] = intervals.before_first_update
         try:
             stats["machine"] = machine(args)
         except Exception as e:  # the timings still get written, and the run's own error raised
