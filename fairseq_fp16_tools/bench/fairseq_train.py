@@ -102,6 +102,7 @@ MODES = {
     "bf16-unpadded-cache1024": ["--bf16", "--cpu-length-multiple", "1", "--cpu-kernel-cache", "1024"],
     "bf16-padded": ["--bf16", "--cpu-length-multiple", "8"],  # auto's AMX padding, always
     "bf16-padded-cache64": ["--bf16", "--cpu-length-multiple", "8", "--cpu-kernel-cache", "64"],
+    "bf16-padded-cache8": ["--bf16", "--cpu-length-multiple", "8", "--cpu-kernel-cache", "8"],
     "fp16-padded": ["--fp16", "--cpu-length-multiple", "8"],
     "fp32-padded": ["--required-seq-len-multiple", "8"],  # fairseq's own flag: fp32 the same shapes
     # the loss: fairseq's log-softmax path for the half modes, the fused one for fp32
