@@ -191,6 +191,19 @@ def test_copies_table_keeps_the_largest_askers_of_any_mode_and_sums_the_rest():
                          "| the update, profiled | 120 | 230 |", "| the update, timed | 100 | 200 |"]
 
 
+def test_demo_memory_rows_subtract_the_memory_before_training_from_the_peak():
+    data = {"model": "--arch transformer --max-tokens 1024 --dropout 0",
+            "words_per_s": {"fp32-stock": 4000.0, "bf16": 6000.0},
+            "peak_mb": {"fp32-stock": 800.0, "bf16": 700.0},
+            "memory_before_first_update": {"fp32-stock": {"rss_mb": 400.0, "peak_rss_mb": 400.0},
+                                           "bf16": {"rss_mb": 420.0, "peak_rss_mb": 420.0}},
+            "intervals": {"fp32-stock": [{"peak_rss_mb": 650.0}, {"peak_rss_mb": 800.0}],
+                          "bf16": [{"peak_rss_mb": 690.0}, {"peak_rss_mb": 700.0}]}}
+    lines = render_docs.demo_memory_rows([data], ["tokens1024.json"]).splitlines()
+    assert lines[2:] == ["| 1,024 | fp32-stock | 1.00x | 400 | 650 | 800 | 1.00x | 400 | 1.00x |",
+                         "| 1,024 | bf16 | 1.50x | 420 | 690 | 700 | 0.88x | 280 | 0.70x |"]
+
+
 def test_the_batch_products_table_counts_the_weights_the_plugin_counts(toy_data):
     # the table's G multiply-adds are what --cpu-length-multiple auto weighs: its formula against
     # batch_products on a fairseq transformer built from the same arguments
