@@ -179,7 +179,9 @@ class IntervalLog:
     applied updates, fairseq's ``ntokens``), ``wall_ms`` (from the end of the previous
     interval, or the start of the first call, to its end, loading and logging included) and
     ``compiles`` (frames torch.compile compiled in it; after the first update each is a
-    recompile), ``rss_mb`` and ``peak_rss_mb`` (:func:`_memory_mb` at its end).
+    recompile), ``rss_mb`` and ``peak_rss_mb`` (:func:`_memory_mb` at its end; the peak the
+    largest reading so far: Linux counts a thread's pages lazily, so its high-water mark can
+    read a fraction of a MB lower than it did before).
     ``before_first_update`` is :func:`_memory_mb` as the first call begins: the imports, the
     data, the model and whatever the run built before training. The device is synchronized at
     each interval's end (fairseq's log line that follows waits for it anyway); no other host
@@ -191,11 +193,17 @@ class IntervalLog:
         self.clock, self.compiles, self.sync, self.memory = clock, compiles, sync, memory
         self.intervals = []
         self.before_first_update = None
+        self._peak = 0.0
         self._start = None
         self._open = None
 
     def install(self, train_module) -> None:
         install_step_wrapper(train_module, self.wrap)
+
+    def _memory(self) -> dict:
+        reading = self.memory()
+        self._peak = max(self._peak, reading["peak_rss_mb"])
+        return {**reading, "peak_rss_mb": self._peak}
 
     def _reset(self, start: float) -> None:
         self._start, self._compiles0 = start, self.compiles()
@@ -206,7 +214,7 @@ class IntervalLog:
 
         def train_step(samples, *args, **kwargs):
             if self._open is None:
-                self.before_first_update = self.memory()
+                self.before_first_update = self._memory()
                 self._reset(self.clock())
             before = trainer.get_num_updates()
             result = step(samples, *args, **kwargs)
@@ -224,7 +232,7 @@ class IntervalLog:
                     self.intervals.append({"num_updates": after, **acc,
                                            "wall_ms": round((end - self._start) * 1000.0, 3),
                                            "compiles": self.compiles() - self._compiles0,
-                                           **self.memory()})
+                                           **self._memory()})
                     self._reset(end)
             return result
 
