@@ -503,22 +503,27 @@ def cpu_pass_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
 
 
 def demo_memory_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
-    """scripts/bench_fairseq_train.py's resident memory of each mode's run: before its first
-    update, at the end of its first log interval and its peak, and what training added to the
-    first, against the same run's stock fp32; and its words/s against stock fp32's."""
+    """scripts/bench_fairseq_train.py's resident memory of each mode's run on the CPU: before its
+    first update, at the end of its first log interval and its peak, and what training added (the
+    peak less the memory before), against the same file's stock fp32; and its words/s against
+    stock fp32's. A mode without the memory readings (an older record) shows "-"."""
     rows = []
-    for d in data:
-        tokens = d["model"].rsplit("--max-tokens", 1)[1].split()[0]
-        before = {m: d["memory_before_first_update"][m]["rss_mb"] for m in d["intervals"]}
-        added = {m: d["peak_mb"][m] - before[m] for m in before}
-        for m, intervals in d["intervals"].items():
-            rows.append([f"{int(tokens):,}", m, ratio(d["words_per_s"][m] / d["words_per_s"]["fp32-stock"]),
-                         num(before[m], 0), num(intervals[0]["peak_rss_mb"], 0),
-                         num(d["peak_mb"][m], 0), ratio(d["peak_mb"][m] / d["peak_mb"]["fp32-stock"]),
-                         num(added[m], 0), ratio(added[m] / added["fp32-stock"])])
+    for d, path in zip(data, paths):
+        if d["peak_kind"] != "process peak RSS" or "fp32-stock" not in d["peak_mb"]:
+            raise ValueError(f"{path}: the table needs CPU runs (process peak RSS) with fp32-stock")
+        tokens = int(re.search(r"--max-tokens[= ](\d+)", d["model"]).group(1))
+        before = {m: (d.get("memory_before_first_update", {}).get(m) or {}).get("rss_mb") for m in d["peak_mb"]}
+        added = {m: d["peak_mb"][m] - b if b is not None else None for m, b in before.items()}
+        stock_added = added["fp32-stock"]
+        for m, peak in d["peak_mb"].items():
+            first = d["intervals"][m][0].get("peak_rss_mb") if d["intervals"].get(m) else None
+            rows.append([f"{tokens:,}", m, ratio(d["words_per_s"][m] / d["words_per_s"]["fp32-stock"]),
+                         thousands(before[m]), thousands(first), thousands(peak),
+                         ratio(peak / d["peak_mb"]["fp32-stock"]), thousands(added[m]),
+                         ratio(added[m] / stock_added) if added[m] is not None and stock_added else "-"])
     return md_table(["tokens a batch", "mode", "words/s x stock fp32", "MB before the first update",
-                     "peak MB, first 5 updates",
-                     "peak MB", "x stock fp32", "training added MB", "x stock fp32's"], rows)
+                     "peak MB, first log interval (5 updates)", "peak MB", "x stock fp32",
+                     "training added MB", "x stock fp32's"], rows)
 
 
 def fused_loss_rows(data: Sequence[dict], paths: Sequence[str]) -> str:

@@ -5,6 +5,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 from fairseq_fp16_tools import render_docs
@@ -192,16 +194,19 @@ def test_copies_table_keeps_the_largest_askers_of_any_mode_and_sums_the_rest():
 
 
 def test_demo_memory_rows_subtract_the_memory_before_training_from_the_peak():
-    data = {"model": "--arch transformer --max-tokens 1024 --dropout 0",
-            "words_per_s": {"fp32-stock": 4000.0, "bf16": 6000.0},
-            "peak_mb": {"fp32-stock": 800.0, "bf16": 700.0},
-            "memory_before_first_update": {"fp32-stock": {"rss_mb": 400.0, "peak_rss_mb": 400.0},
-                                           "bf16": {"rss_mb": 420.0, "peak_rss_mb": 420.0}},
-            "intervals": {"fp32-stock": [{"peak_rss_mb": 650.0}, {"peak_rss_mb": 800.0}],
-                          "bf16": [{"peak_rss_mb": 690.0}, {"peak_rss_mb": 700.0}]}}
+    data = {"model": "--arch transformer --max-tokens 1024 --dropout 0", "peak_kind": "process peak RSS",
+            "words_per_s": {"fp32-stock": 4000.0, "bf16": 6000.0, "fp16": 5000.0},
+            "peak_mb": {"fp32-stock": 1200.0, "bf16": 700.0, "fp16": 900.0},
+            "memory_before_first_update": {"fp32-stock": {"rss_mb": 400.0, "peak_rss_mb": 405.0},
+                                           "bf16": {"rss_mb": 420.0, "peak_rss_mb": 430.0}, "fp16": None},
+            "intervals": {"fp32-stock": [{"peak_rss_mb": 650.0}, {"peak_rss_mb": 1200.0}],
+                          "bf16": [{"peak_rss_mb": 690.0}, {"peak_rss_mb": 700.0}], "fp16": [{"words": 5}]}}
     lines = render_docs.demo_memory_rows([data], ["tokens1024.json"]).splitlines()
-    assert lines[2:] == ["| 1,024 | fp32-stock | 1.00x | 400 | 650 | 800 | 1.00x | 400 | 1.00x |",
-                         "| 1,024 | bf16 | 1.50x | 420 | 690 | 700 | 0.88x | 280 | 0.70x |"]
+    assert lines[2:] == ["| 1,024 | fp32-stock | 1.00x | 400 | 650 | 1,200 | 1.00x | 800 | 1.00x |",
+                         "| 1,024 | bf16 | 1.50x | 420 | 690 | 700 | 0.58x | 280 | 0.35x |",
+                         "| 1,024 | fp16 | 1.25x | - | - | 900 | 0.75x | - | - |"]  # an older record
+    with pytest.raises(ValueError, match="cuda.json: the table needs CPU runs"):
+        render_docs.demo_memory_rows([{**data, "peak_kind": "CUDA allocator peak"}], ["cuda.json"])
 
 
 def test_the_batch_products_table_counts_the_weights_the_plugin_counts(toy_data):

@@ -89,16 +89,13 @@ def test_the_interval_log_counts_skips_words_and_compiles_per_log_interval():
 
 
 def test_the_memory_reading_is_this_process_resident_set():
-    """_memory_mb's peak is getrusage's high-water mark; writing 64 MB more raises both."""
-    import resource
-
+    """Writing 64 MB more raises _memory_mb's resident memory by about that, its peak with it."""
     from fairseq_fp16_tools.bench.run_stats import _memory_mb
 
     before = _memory_mb()
-    assert abs(before["peak_rss_mb"] - resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024) < 2
     block = b"\x01" * (64 << 20)  # every page written
     after = _memory_mb()
-    assert after["rss_mb"] - before["rss_mb"] > 60 and after["peak_rss_mb"] >= after["rss_mb"]
+    assert 60 < after["rss_mb"] - before["rss_mb"] < 80 and after["peak_rss_mb"] >= after["rss_mb"]
     del block
 
 

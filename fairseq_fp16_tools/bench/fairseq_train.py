@@ -13,8 +13,8 @@ bf16-torch-dropout (--cpu-dropout torch: torch's bernoulli_ masks), bf16-cache10
 (--cpu-length-multiple 1: batch lengths as they are, where auto pads them on a CPU
 with AMX for small products), bf16-unpadded-cache1024 (those lengths, torch's 1,024 kernels
 per cache), bf16-padded (--cpu-length-multiple 8: auto's padding on AMX, for any model and CPU),
-bf16-padded-cache64 (lengths padded to a multiple of 8, 64 kernels per
-cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
+bf16-padded-cache64 / bf16-padded-cache8 (lengths padded to a multiple of 8, 64 or 8 kernels
+per cache), fp16-padded (--cpu-length-multiple 8), fp32-padded (fairseq's
 --required-seq-len-multiple 8), fp16-unfused /
 bf16-unfused (--fused-loss off: fairseq's fp32 log-softmax loss), fp32-fused
 (--fused-loss on), fp16-cache / bf16-cache (--fused-loss cache: cache-sized chunks, the
@@ -335,7 +335,8 @@ def summarize(header: Dict, records: List[Dict]) -> Dict:
     # the profiler holds its trace in memory: peaks from the runs without one, where there are any
     unprofiled = {m: [r for r in ok[m] if "profile" not in r] or ok[m] for m in modes}
     ms, wps = median("ms_per_update"), median("words_per_s")
-    mem = {m: max(r["peak_mb"] for r in unprofiled[m]) for m in modes}
+    peak_run = {m: max(unprofiled[m], key=lambda r: r["peak_mb"]) for m in modes}
+    mem = {m: peak_run[m]["peak_mb"] for m in modes}
     first = modes[0] if modes else None
     return {
         "record": "summary", "model": header["model"], "task_args": header.get("task_args"),
@@ -359,8 +360,8 @@ def summarize(header: Dict, records: List[Dict]) -> Dict:
         "recompiles": most("recompiles"),
         # each interval of a mode's first run (every run's are in its own record)
         "intervals": {m: ok[m][0]["intervals"] for m in modes},
-        # resident memory as the first update began (imports, data, model), its first run's
-        "memory_before_first_update": {m: ok[m][0].get("memory_before_first_update") for m in modes},
+        # resident memory as the first update began (imports, data, model), in the run of peak_mb
+        "memory_before_first_update": {m: peak_run[m].get("memory_before_first_update") for m in modes},
         # each mode's --profile-dir summary (its first run's)
         "profiles": {m: r["profile"] for m in modes for r in ok[m][:1] if "profile" in r},
         "outcomes": outcomes,

@@ -9,8 +9,8 @@ to STATS.json when the command ends, whatever the outcome (``machine``: see :fun
 ``intervals``, one record per log interval (:class:`IntervalLog`: updates attempted and
 skipped, applied words, wall time, torch.compile compilations, resident memory) and
 ``memory_before_first_update``. Peak RSS is the process's
-high-water mark (``getrusage``), so it includes the interpreter and torch
-(a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak over the whole run
+high-water mark (``/proc/self/status``'s VmHWM where there is one: getrusage's also counts the
+program that ran before ``exec``), so it includes the interpreter and torch (a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak over the whole run
 (:class:`CudaPeak`). It imports nothing of fairseq before the CLI module, so the CLI sets up
 logging.
 
@@ -146,8 +146,8 @@ def _compiles() -> int:
 
 def _memory_mb() -> dict:
     """The process's resident memory now (``rss_mb``) and its high-water mark so far
-    (``peak_rss_mb``), in MB: ``/proc/self/status``'s VmRSS and VmHWM; where there is no such
-    file, getrusage's high-water mark for both."""
+    (``peak_rss_mb``), in MB: ``/proc/self/status``'s VmRSS and VmHWM (this program's own: a new
+    one begins at ``exec``); where there is no such file, getrusage's high-water mark for both."""
     fields = {}
     try:
         with open("/proc/self/status") as f:
@@ -455,7 +455,7 @@ def main(argv=None) -> int:
             census.finish()
         stats = {
             "wall_s": time.perf_counter() - start,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            "peak_rss_mb": max(_memory_mb()["peak_rss_mb"], intervals._peak if intervals else 0.0),
             "peak_cuda_mb": cuda_peak.peak_mb(),
             "exit_code": code,
         }
