@@ -151,6 +151,20 @@ def test_multi_tensor_ops_count_as_torchs_cuda_backend_launches_them():
     assert census.summary(1)["ops"]["_foreach_norm"][0] == 3
 
 
+def test_the_census_runs_the_operators_a_cuda_run_would():
+    """torch's dropout in every plugin mode (the CPU's counter-based masks are CPU-only), the CUDA
+    paths of the half precisions, a mode's own choice kept, stock fairseq as it is."""
+    from fairseq_fp16_tools.bench.op_census import census_flags
+
+    assert census_flags("fp32") == ["--cpu-dropout", "torch"]
+    assert census_flags("fp16") == ["--fp16", "--cpu-dropout", "torch", "--half-matmul", "native",
+                                    "--attention-path", "torch", "--cpu-length-multiple", "1",
+                                    "--fused-loss", "stream"]
+    assert census_flags("fp16-cache")[:3] == ["--fp16", "--fused-loss", "cache"]
+    assert census_flags("fp16-cache").count("--fused-loss") == 1
+    assert census_flags("fp32-stock") == []
+
+
 @pytest.mark.slow
 def test_an_update_that_overflows_launches_no_more_than_one_that_applies(toy_data):
     """The census by kind of a fairseq fp16 run whose first updates overflow (a scale of 2**24):

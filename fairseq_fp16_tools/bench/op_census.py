@@ -311,10 +311,13 @@ def diff_table(base: Dict, other: Dict, top: int = 12) -> str:
 
 # --- the comparison of modes (scripts/op_census.py) ---------------------------------------
 
-#: flags that give a CPU run the operators of a CUDA run (``--half-matmul``,
-#: ``--attention-path`` and ``--fused-loss`` pick CPU paths by default; so does the padding)
-AS_ON_CUDA = {"--half-matmul": "native", "--attention-path": "torch", "--cpu-length-multiple": "1",
-              "--fused-loss": "stream"}
+#: flags that give a CPU run of the plugin the operators of a CUDA run: torch's dropout in every
+#: precision (the CPU's counter-based masks are a compiled hash, run op by op under the census);
+#: for the half precisions also ``--half-matmul``, ``--attention-path`` and ``--fused-loss``,
+#: which pick CPU paths by default, and no padding
+AS_ON_CUDA_ANY = {"--cpu-dropout": "torch"}
+AS_ON_CUDA = {**AS_ON_CUDA_ANY, "--half-matmul": "native", "--attention-path": "torch",
+              "--cpu-length-multiple": "1", "--fused-loss": "stream"}
 
 
 @contextlib.contextmanager
@@ -418,15 +421,24 @@ def census_worker(argv=None) -> int:
     return 0
 
 
+def census_flags(mode: str) -> List[str]:
+    """fairseq-train's flags for the census of ``mode``: its own, then :data:`AS_ON_CUDA` (half
+    precisions) or :data:`AS_ON_CUDA_ANY` (fp32) where the mode does not set them; none for a
+    stock mode."""
+    flags = list(MODES[mode])
+    if mode not in STOCK:
+        half = "--fp16" in flags or "--bf16" in flags
+        for flag, value in (AS_ON_CUDA if half else AS_ON_CUDA_ANY).items():
+            if flag not in flags:  # the mode's own setting wins
+                flags += [flag, value]
+    return flags
+
+
 def run_census(data, mode: str, model: str, first: int = 3, count: int = 2) -> Dict:
     """The census of a CPU fairseq-train run of ``mode`` (a mode of :mod:`.fairseq_train`),
     with the operators a CUDA run would launch: every update from ``first`` on, by kind
     (:class:`UpdatesByKind`), until ``count`` applied updates are counted."""
-    flags = list(MODES[mode])
-    if mode not in STOCK and ("--fp16" in flags or "--bf16" in flags):
-        for flag, value in AS_ON_CUDA.items():
-            if flag not in flags:  # the mode's own setting wins
-                flags += [flag, value]
+    flags = census_flags(mode)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / f"{mode}.json"
         cmd = [sys.executable, "-c", "import sys; from fairseq_fp16_tools.bench.op_census import "
