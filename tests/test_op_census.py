@@ -73,6 +73,7 @@ def test_cpu_half_products_run_in_fp32_and_count_as_the_half_product():
 @pytest.mark.parametrize("name,label", [
     ("_fused_adamw_", "optimizer"), ("_foreach_norm", "optimizer"),
     ("_scaled_dot_product_flash_attention_for_cpu", "attention"), ("addmm", "matmul"),
+    ("_linear_pointwise", "matmul"),
     ("_log_softmax", "softmax/norm"), ("native_layer_norm_backward", "softmax/norm"),
     ("_to_copy", "copies"), ("relu", "elementwise/other"),
 ])

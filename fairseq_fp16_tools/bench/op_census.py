@@ -70,7 +70,8 @@ __all__ = ["CLASSES", "KINDS", "OpCensus", "UpdatesByKind", "census_worker", "cl
 CLASSES: List[Tuple[str, str]] = [
     ("optimizer", r"^_foreach_|^_fused_adam|^_amp_"),
     ("attention", r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention"),
-    ("matmul", r"^(mm|addmm|bmm|baddbmm|addbmm|_addmm_activation|addmv|mv|dot)$"),
+    # _linear_pointwise: oneDNN's linear, the CPU half layers' bias in the product (CUDA: addmm)
+    ("matmul", r"^(mm|addmm|bmm|baddbmm|addbmm|_addmm_activation|addmv|mv|dot|_linear_pointwise)$"),
     ("softmax/norm", r"softmax|layer_norm|group_norm|batch_norm|logsumexp|nll_loss|cross_entropy"),
     ("copies", r"^(_to_copy|copy_|fill_|zero_|cat|clone|zeros|zeros_like|ones|ones_like|full|"
                r"full_like|new_zeros|new_ones|new_full|scalar_tensor|_copy_from|index_copy_?)$"),
