@@ -818,7 +818,7 @@ TABLES: Dict[str, Table] = {
     "h200-batch-sizes": Table(tuple(f"{BENCH}/h200/precisions/{n}.json"
                                     for n in ("train_16384", "train_32768", "profiles")),
                               "bash scripts/gpu/session.sh OUT", gpu_batch_rows, provenance=True),
-    "op-census": Table((f"{BENCH}/amx-xeon/op_census.json",),
+    "op-census": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/op_census.json",),
                        "python scripts/op_census.py data/gpu-bench/bin --model \"--arch transformer "
                        "--share-all-embeddings --dropout 0.1 --max-tokens 4096\"", census_rows,
                        provenance=True),
