@@ -912,9 +912,9 @@ TABLES: Dict[str, Table] = {
                          "[--modes fp32-stock,bf16,bf16-padded-cache64,bf16-padded-cache8,bf16-cache,bf16-buckets] --updates 100 "
                          f"--warmup 20 --repeats 1 --model \"{DEMO_BENCH_MODEL} --max-tokens N\"",
                          demo_memory_rows, provenance=True),
-    "cpu-loss": Table((f"{BENCH}/amx-xeon/fused_loss.json",), "python scripts/bench_fused_loss.py",
+    "cpu-loss": Table((f"{BENCH}/{CPU_GOAL_MACHINES[0]}/fused_loss.json",), "python scripts/bench_fused_loss.py",
                       fused_loss_rows, provenance=True),
-    "other-tasks": Table(tuple(f"{BENCH}/amx-xeon/other_tasks/{n}.json" for n in ("multilingual", "bart_base")),
+    "other-tasks": Table(tuple(f"{BENCH}/{CPU_GOAL_MACHINES[0]}/other_tasks/{n}.json" for n in ("multilingual", "bart_base")),
                          "python scripts/bench_fairseq_train.py --modes fp32,fp16,bf16 --task-args "
                          "\"--task ...\" --model \"--arch ...\" (the commands in docs/benchmarks.md)",
                          task_rows, provenance=True),
