@@ -8,10 +8,10 @@ to STATS.json when the command ends, whatever the outcome (``machine``: see :fun
 ``provenance``: :func:`fairseq_fp16_tools.provenance.describe`), and for fairseq-train
 ``intervals``, one record per log interval (:class:`IntervalLog`: updates attempted and
 skipped, applied words, wall time, torch.compile compilations, resident memory) and
-``memory_before_first_update``. Peak RSS is the process's
-high-water mark (``/proc/self/status``'s VmHWM where there is one: getrusage's also counts the
-program that ran before ``exec``), so it includes the interpreter and torch (a few hundred MB); on CUDA, ``peak_cuda_mb`` is the allocator's peak over the whole run
-(:class:`CudaPeak`). It imports nothing of fairseq before the CLI module, so the CLI sets up
+``memory_before_first_update``. Peak RSS is the process's high-water mark
+(``/proc/self/status``'s VmHWM where there is one: getrusage's also counts the program that ran
+before ``exec``), so it includes the interpreter and torch (a few hundred MB); on CUDA,
+``peak_cuda_mb`` is the allocator's peak over the whole run (:class:`CudaPeak`). It imports nothing of fairseq before the CLI module, so the CLI sets up
 logging.
 
 With ``--profile-updates FIRST:COUNT PROFILE.json`` COUNT ``Trainer.train_step`` calls run
