@@ -340,7 +340,7 @@ TRANSFORMER_DEFAULTS = {"encoder-layers": 6, "decoder-layers": 6, "encoder-embed
 def model_arg(model_args: str, name: str) -> int:
     """The integer ``--NAME N`` of a benchmark's model arguments, else the transformer's default
     (:data:`TRANSFORMER_DEFAULTS`; KeyError for another name missing)."""
-    found = re.search(rf"--{name} (\d+)", model_args)
+    found = re.search(rf"--{name}[= ](\d+)", model_args)
     return int(found.group(1)) if found else TRANSFORMER_DEFAULTS[name]
 
 
@@ -511,7 +511,7 @@ def demo_memory_rows(data: Sequence[dict], paths: Sequence[str]) -> str:
     for d, path in zip(data, paths):
         if d["peak_kind"] != "process peak RSS" or "fp32-stock" not in d["peak_mb"]:
             raise ValueError(f"{path}: the table needs CPU runs (process peak RSS) with fp32-stock")
-        tokens = int(re.search(r"--max-tokens[= ](\d+)", d["model"]).group(1))
+        tokens = model_arg(d["model"], "max-tokens")
         before = {m: (d.get("memory_before_first_update", {}).get(m) or {}).get("rss_mb") for m in d["peak_mb"]}
         added = {m: d["peak_mb"][m] - b if b is not None else None for m, b in before.items()}
         stock_added = added["fp32-stock"]
